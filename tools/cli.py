@@ -1,0 +1,43 @@
+"""The `graphrelay` command: `serve` (the main job), `lint`, `bench`.
+
+Each subcommand lives with the code it drives and is imported only when asked for, so
+`graphrelay lint` works without the capture layer loaded and the library stays import-light.
+"""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: graphrelay {serve,lint,bench} [ARGS]
+
+  serve   run the overlap-scheduled decode loop on a workload (default: a short demo)
+  lint    check that a step function is capturable into a CUDA graph, without a GPU
+  bench   benchmarks: `bench relay` (the relay's cost) and `bench loop` (the serving loop)
+
+`graphrelay SUBCOMMAND --help` for each one's options."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "serve":
+        from capture.cli import serve_main
+
+        return serve_main(rest)
+    if command == "lint":
+        from graphrelay.lint.cli import lint_main
+
+        return lint_main(rest)
+    if command == "bench":
+        from tools.bench import bench_main
+
+        return bench_main(rest)
+    print(f"graphrelay: unknown subcommand {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
