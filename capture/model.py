@@ -149,7 +149,8 @@ class LlamaModel:
             raise ValueError(f"max_reqs must be a positive int, got {max_reqs!r}")
         self.config = config
         self.max_reqs = max_reqs
-        self.device = torch.device(device)
+        # Resolved through a tensor so "cuda" becomes "cuda:0" and device checks compare equal.
+        self.device = torch.empty(0, device=device).device
         c, dtype = config, config.torch_dtype
         generator = torch.Generator().manual_seed(c.seed)
 

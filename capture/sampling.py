@@ -100,12 +100,17 @@ def sample(
     seeds: torch.Tensor,
     steps: torch.Tensor,
     out: torch.Tensor | None = None,
+    max_top_k: int | None = None,
 ) -> torch.Tensor:
     """Pick one token per row: tokens [bs] int64.
 
     logits [bs, V] float32; temperature [bs] float32 (0 = greedy); top_k [bs] int32/int64
     (0 or >= V = no cut); seeds, steps [bs] int32/int64. A request should pass a step that
     differs at every decode step, e.g. its seq len. Capturable: only metadata is checked.
+
+    max_top_k (a static int) ranks only that many logits per row instead of the whole
+    vocabulary, which is much cheaper; a top_k between max_top_k and V is then cut at
+    max_top_k, while 0 (or >= V) still means no cut.
     """
     if logits.dim() != 2 or logits.dtype != torch.float32:
         raise ValueError(f"sample logits must be float32 [bs, vocab], got {logits.dtype} {tuple(logits.shape)}")
@@ -123,14 +128,18 @@ def sample(
             )
     if out is not None and (out.shape != (bs,) or out.dtype != torch.int64 or out.device != logits.device):
         raise ValueError(f"sample out must be an int64 [{bs}] tensor on {logits.device}")
+    if max_top_k is not None and (not isinstance(max_top_k, int) or max_top_k < 1):
+        raise ValueError(f"sample max_top_k must be None or a positive int, got {max_top_k!r}")
+    width = vocab_size if max_top_k is None else min(max_top_k, vocab_size)
 
     greedy = logits.argmax(dim=-1)  # [bs]
 
     # Top-k by threshold: keep logits >= the row's k-th largest (ties at the threshold stay).
     top_k = top_k.long()
-    k = torch.where((top_k <= 0) | (top_k > vocab_size), vocab_size, top_k)  # [bs]
-    sorted_logits = logits.sort(dim=-1, descending=True).values  # [bs, V]
-    threshold = sorted_logits.gather(1, (k - 1)[:, None])  # [bs, 1]
+    no_cut = (top_k <= 0) | (top_k >= vocab_size)  # [bs]
+    ranked = logits.topk(width, dim=-1).values  # [bs, width], descending
+    kth = ranked.gather(1, (top_k.clamp(1, width) - 1)[:, None])  # [bs, 1]
+    threshold = torch.where(no_cut[:, None], float("-inf"), kth)  # [bs, 1]
     # Greedy rows get temperature 1 here only to stay finite; their sample is discarded.
     safe_temperature = torch.where(temperature > 0, temperature, 1.0)[:, None]  # [bs, 1]
     scaled = torch.where(logits >= threshold, logits / safe_temperature, float("-inf"))

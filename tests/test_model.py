@@ -177,14 +177,16 @@ def test_decode_and_sample_have_no_host_syncs():
     tokens_out = torch.empty(3, dtype=torch.int64)
     with HostSyncDetector() as detector:
         logits = model.decode(tokens, slots, seq_lens, out=logits_out)
-        sample(
-            logits,
-            torch.tensor([0.0, 0.8, 0.0]),
-            torch.tensor([0, 5, 0], dtype=torch.int32),
-            torch.tensor([1, 2, 0]),
-            seq_lens.long(),
-            out=tokens_out,
-        )
+        for max_top_k in (None, 4):
+            sample(
+                logits,
+                torch.tensor([0.0, 0.8, 0.0]),
+                torch.tensor([0, 5, 0], dtype=torch.int32),
+                torch.tensor([1, 2, 0]),
+                seq_lens,
+                out=tokens_out,
+                max_top_k=max_top_k,
+            )
     assert detector.hits == []
 
 
