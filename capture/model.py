@@ -68,6 +68,8 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(
                 f"ModelConfig.head_dim must be a positive even int (rotary pairs), got {self.head_dim}"
             )
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"ModelConfig.seed must be an int in 0..2**63-1, got {self.seed!r}")
         if not self.rope_theta > 0:
             raise ValueError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta}")
         if not self.rms_eps > 0:
@@ -229,8 +231,11 @@ class LlamaModel:
     ) -> torch.Tensor:
         """One decode step for a bucket of `bs` rows; returns logits [bs, vocab] float32.
 
-        tokens, slots, seq_lens: [bs] int32 or int64 on the model's device. Capturable: only
-        metadata is checked here; `validate_decode_inputs` checks values (and syncs).
+        tokens, slots, seq_lens: [bs] int32 or int64 on the model's device. Row i writes K/V
+        at [slots[i], seq_lens[i]] and attends over positions 0..seq_lens[i]; padded rows use
+        slot 0 with any in-range seq len. Capturable: only metadata is checked here.
+        NOTE: values are not checked (that would sync): a seq len >= max_seq_len or a slot
+        > max_reqs trips a device-side assert on CUDA. `validate_decode_inputs` checks them.
         """
         bs = tokens.shape[0] if tokens.dim() == 1 else -1
         for name, t in (("tokens", tokens), ("slots", slots), ("seq_lens", seq_lens)):

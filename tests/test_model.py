@@ -267,6 +267,7 @@ def test_validate_decode_inputs_accepts_repeated_padding_slot():
         ({"rope_theta": 0.0}, "rope_theta"),
         ({"rms_eps": -1e-6}, "rms_eps"),
         ({"dtype": "int8"}, "dtype"),
+        ({"seed": -1}, "seed"),
     ],
 )
 def test_config_rejects_bad_values_naming_the_field(overrides, field):
