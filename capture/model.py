@@ -212,8 +212,13 @@ class LlamaModel:
             raise ValueError(
                 f"prefill token_ids length {length} must be in 1..max_seq_len ({c.max_seq_len})"
             )
-        token_ids = token_ids.to(self.device, torch.int64)
+        # Checked on the host when the prompt comes from the host (no sync), then staged
+        # through pinned memory: a pageable copy would wait for the stream's queued work.
         self._check_range("token_ids", token_ids, c.vocab_size)
+        if token_ids.device.type == "cpu" and self.device.type == "cuda":
+            token_ids = token_ids.to(torch.int64).pin_memory().to(self.device, non_blocking=True)
+        else:
+            token_ids = token_ids.to(self.device, torch.int64)
         positions = self.cache_positions[:length]  # [L]
         slots = torch.full((length,), slot, dtype=torch.int64, device=self.device)
         hidden = self._forward(
