@@ -68,6 +68,7 @@ BAD_CASES = [
     ("unique_shape", H.DATA_DEPENDENT_SHAPE, "aten._unique2.default", None),
     ("repeat_interleave_unsized", H.DATA_DEPENDENT_SHAPE, "aten.repeat_interleave.Tensor", None),
     ("one_hot_unsized", H.DATA_DEPENDENT_SHAPE, "torch.nn.functional.one_hot", None),
+    ("multinomial_sampling", H.HOST_SYNC, "aten.multinomial.default", None),
     ("python_list_tensor", H.PYTHON_DATA_TENSOR, "torch.tensor", None),
     ("as_tensor_list", H.PYTHON_DATA_TENSOR, "torch.as_tensor", None),
     ("from_numpy_array", H.PYTHON_DATA_TENSOR, "torch.from_numpy", None),
@@ -174,6 +175,9 @@ def test_generated_values_keep_layout_and_range_but_differ():
     assert 0 <= int(new_slots.min()) and int(new_slots.max()) <= 7
     assert 0.25 <= float(new_probs[:2].min()) and float(new_probs[:2].max()) <= 0.5
     assert new_probs[2] == float("-inf")
+    constant = torch.full((3,), 0.125)
+    (new_constant,) = other_values((constant,))
+    assert not torch.equal(new_constant, constant) and bool((new_constant >= 0).all())
 
 
 def test_mismatched_alt_inputs_are_refused():

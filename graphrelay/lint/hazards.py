@@ -140,6 +140,16 @@ _DYNAMIC_FIXES = {
 }
 
 
+# Ops whose kernels read a value on the host on CUDA, inside the op: a dispatch mode sees only
+# the op itself, never the inner `.item()`.
+_SYNCS_INSIDE = {
+    _aten.multinomial: (
+        "validates its probabilities with a host read",
+        "sample on the device with the Gumbel-max trick: (probs / q.exponential_()).argmax(-1)",
+    ),
+}
+
+
 def _has_mask_index(indices: Any) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype in _MASK_DTYPES for i in indices or ())
 
@@ -154,6 +164,9 @@ def aten_hazard(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Optio
         if packet in _MASK_WRITES:
             return Hazard(HazardKind.DATA_DEPENDENT_SHAPE, op, _FIX_MASK_WRITE, "assignment through a boolean mask")
         return Hazard(HazardKind.DATA_DEPENDENT_SHAPE, op, _FIX_MASK, "indexing with a boolean mask")
+    if packet in _SYNCS_INSIDE:
+        detail, fix = _SYNCS_INSIDE[packet]
+        return _sync(op, fix, detail)
     if torch.Tag.data_dependent_output in func.tags:
         return _sync(op, _FIX_SCALAR, "reads a tensor value on the host")
     if torch.Tag.dynamic_output_shape in func.tags:

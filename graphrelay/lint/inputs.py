@@ -4,7 +4,8 @@ shapes and dtypes whose values differ.
 Steps mutate their inputs (KV cache writes, relay scatters), so each run gets fresh clones.
 The other values stay plausible, so a correct step runs the same ops on them: integers stay
 within the example's min..max (so index tensors stay in range), floats within the example's
-range, and non-finite entries (e.g. -inf masks) stay put.
+range (a constant one is scaled, keeping its sign), and non-finite entries (e.g. -inf masks)
+stay put.
 """
 
 from __future__ import annotations
@@ -40,7 +41,11 @@ def _other_floats(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         return flat
     low, high = float(flat[finite].min()), float(flat[finite].max())
     noise = torch.rand(flat.shape, generator=generator)
-    values = low + noise * (high - low) if high > low else low + torch.randn(flat.shape, generator=generator)
+    if high > low:
+        values = low + noise * (high - low)
+    else:
+        # A constant tensor: vary it but keep its sign (probabilities stay non-negative).
+        values = low * (0.5 + noise) if low != 0 else noise
     return torch.where(finite, values, flat)
 
 

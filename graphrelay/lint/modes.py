@@ -74,11 +74,15 @@ def _output_shapes(out: Any) -> tuple:
     return tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__ for x in tree_leaves(out))
 
 
-class HazardFunctionMode(TorchFunctionMode):
+class _Recording:
+    """Both modes write one run's record."""
+
     def __init__(self, record: RunRecord) -> None:
         super().__init__()
         self.record = record
 
+
+class HazardFunctionMode(_Recording, TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         hazard = function_hazard(func, args, kwargs)
@@ -94,11 +98,7 @@ class HazardFunctionMode(TorchFunctionMode):
             return func(*args, **kwargs)
 
 
-class HazardDispatchMode(TorchDispatchMode):
-    def __init__(self, record: RunRecord) -> None:
-        super().__init__()
-        self.record = record
-
+class HazardDispatchMode(_Recording, TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         site = current_site()

@@ -164,6 +164,15 @@ def one_hot_unsized():
     return step, (_slots(),)
 
 
+def multinomial_sampling():
+    """multinomial checks its probabilities with a host read inside the CUDA kernel."""
+
+    def step(probs):
+        return torch.multinomial(probs, 1)  # <- hazard
+
+    return step, (torch.full((BUCKET, 8), 0.125),)
+
+
 def python_list_tensor():
     def step(x):
         return x + torch.tensor([1.0, 2.0, 3.0, 4.0])  # <- hazard
