@@ -58,6 +58,7 @@ BAD_CASES = [
     ("to_cpu_string", H.HOST_SYNC, 'Tensor.to("cpu")', None),
     ("to_cpu_keyword", H.HOST_SYNC, 'Tensor.to("cpu")', None),
     ("cuda_synchronize", H.HOST_SYNC, "torch.cuda.synchronize", None),
+    ("cudart_stream_query", H.HOST_SYNC, "cudart.cudaStreamQuery", None),
     ("print_tensor", H.HOST_SYNC, "Tensor.__format__", None),
     ("sync_in_helper", H.HOST_SYNC, "Tensor.item", "_max_of"),
     ("value_dependent_shape", H.HOST_SYNC, "aten._local_scalar_dense.default", None),

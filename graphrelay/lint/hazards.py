@@ -72,7 +72,9 @@ def _sync(op: str, fix: str, detail: str = "") -> Hazard:
 _T = torch.Tensor
 _TENSOR_METHOD_HAZARDS: dict[Callable[..., Any], Hazard] = {
     _T.item: _sync("Tensor.item", _FIX_SCALAR),
-    _T.__bool__: _sync("Tensor.__bool__", _FIX_BRANCH, "a tensor used as a Python bool (if/while/and/or/not)"),
+    _T.__bool__: _sync(
+        "Tensor.__bool__", _FIX_BRANCH, "a tensor used as a Python bool (if/while/and/or/not)"
+    ),
     _T.__int__: _sync("Tensor.__int__", _FIX_SCALAR, "int() of a tensor"),
     _T.__float__: _sync("Tensor.__float__", _FIX_SCALAR, "float() of a tensor"),
     _T.__index__: _sync("Tensor.__index__", _FIX_SCALAR, "a tensor used as a Python index or range bound"),
@@ -162,7 +164,8 @@ def aten_hazard(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Optio
         if len(args) < 2 or not _has_mask_index(args[1]):
             return None
         if packet in _MASK_WRITES:
-            return Hazard(HazardKind.DATA_DEPENDENT_SHAPE, op, _FIX_MASK_WRITE, "assignment through a boolean mask")
+            detail = "assignment through a boolean mask"
+            return Hazard(HazardKind.DATA_DEPENDENT_SHAPE, op, _FIX_MASK_WRITE, detail)
         return Hazard(HazardKind.DATA_DEPENDENT_SHAPE, op, _FIX_MASK, "indexing with a boolean mask")
     if packet in _SYNCS_INSIDE:
         detail, fix = _SYNCS_INSIDE[packet]
@@ -193,29 +196,37 @@ class PatchedCall:
     call_original: bool
 
 
+_FIX_RAW_ALLOC = "allocate and free before capture; the step only uses preallocated buffers"
+_CUDART_BLOCKING = (
+    "cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaEventQuery", "cudaStreamQuery",
+)
+_CUDART_ALLOCATING = ("cudaMalloc", "cudaHostAlloc", "cudaMallocHost", "cudaFree", "cudaFreeHost")
+
+
 def patched_calls() -> list[PatchedCall]:
     """Host-blocking calls to intercept, limited to what this install has."""
     has_cuda = torch.cuda.is_available()
+    from_numpy = Hazard(HazardKind.PYTHON_DATA_TENSOR, "torch.from_numpy", _FIX_PYTHON_DATA)
     calls = [
         PatchedCall(torch.cuda, "synchronize", _sync("torch.cuda.synchronize", _FIX_SYNC), has_cuda),
-        PatchedCall(torch, "from_numpy", Hazard(HazardKind.PYTHON_DATA_TENSOR, "torch.from_numpy", _FIX_PYTHON_DATA), True),
+        PatchedCall(torch, "from_numpy", from_numpy, True),
     ]
     for owner in (torch.cuda.Stream, torch.cuda.Event):
         for name in ("synchronize", "query"):
-            op = f"torch.cuda.{owner.__name__}.{name}"
-            calls.append(PatchedCall(owner, name, _sync(op, _FIX_SYNC), has_cuda))
+            hazard = _sync(f"torch.cuda.{owner.__name__}.{name}", _FIX_SYNC)
+            calls.append(PatchedCall(owner, name, hazard, has_cuda))
     accelerator = getattr(torch, "accelerator", None)
     if accelerator is not None and hasattr(accelerator, "synchronize"):
-        calls.append(PatchedCall(accelerator, "synchronize", _sync("torch.accelerator.synchronize", _FIX_SYNC), has_cuda))
+        hazard = _sync("torch.accelerator.synchronize", _FIX_SYNC)
+        calls.append(PatchedCall(accelerator, "synchronize", hazard, has_cuda))
     try:
         from cuda.bindings import runtime as cudart
     except ImportError:
         return calls
-    blocking = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaEventQuery", "cudaStreamQuery")
-    allocating = ("cudaMalloc", "cudaHostAlloc", "cudaMallocHost", "cudaFree", "cudaFreeHost")
-    for name in blocking:
+    # On a machine without a driver these return cudaErrorInsufficientDriver: safe to call.
+    for name in _CUDART_BLOCKING:
         calls.append(PatchedCall(cudart, name, _sync(f"cudart.{name}", _FIX_SYNC), True))
-    for name in allocating:
-        fix = "allocate and free before capture; the step only uses preallocated buffers"
-        calls.append(PatchedCall(cudart, name, _sync(f"cudart.{name}", fix, "raw allocation synchronizes the device"), True))
+    for name in _CUDART_ALLOCATING:
+        hazard = _sync(f"cudart.{name}", _FIX_RAW_ALLOC, "raw allocation synchronizes the device")
+        calls.append(PatchedCall(cudart, name, hazard, True))
     return calls

@@ -93,6 +93,17 @@ def cuda_synchronize():
     return step, (_x(),)
 
 
+def cudart_stream_query():
+    """Querying any stream or event inside a capture invalidates it (a no-op without a GPU)."""
+    from cuda.bindings import runtime as cudart
+
+    def step(x):
+        cudart.cudaStreamQuery(0)  # <- hazard
+        return x * 2
+
+    return step, (_x(),)
+
+
 def print_tensor():
     def step(x):
         print(f"x = {x}")  # <- hazard
