@@ -325,7 +325,10 @@ class HostMirror(Closeable):
         self._last_recorded = -1
 
     def close(self) -> None:
-        """Free the events and the ring now."""
+        """Free the events and the ring now (waiting for the device first). NOTE: a graph
+        captured with `write` keeps the ring's address: drop such graphs before closing."""
+        if self.on_gpu and not self._closed:
+            torch.cuda.synchronize(self.device)  # no in-flight write may land in freed memory
         for event in self._events:
             event.close()
         self._host = self._device = None  # drop our views so the ring frees at once

@@ -253,13 +253,13 @@ class _HostMemory:
     def __init__(self, nbytes: int, on_gpu: bool) -> None:
         self.nbytes = nbytes
         if on_gpu:
-            self.host_ptr = _cuda(
+            self.host_ptr = int(_cuda(
                 cudart.cudaHostAlloc, nbytes, cudart.cudaHostAllocMapped | cudart.cudaHostAllocPortable
-            )
+            ))
             self._finalizer = weakref.finalize(self, _cuda, cudart.cudaFreeHost, self.host_ptr)
             self._finalizer.atexit = False
             # NOTE: on an H200 (unified addressing) the device pointer equals the host pointer.
-            self.device_ptr = _cuda(cudart.cudaHostGetDevicePointer, self.host_ptr, 0)
+            self.device_ptr = int(_cuda(cudart.cudaHostGetDevicePointer, self.host_ptr, 0))
         else:
             self._buffer = (ctypes.c_uint8 * nbytes)()
             self.host_ptr = self.device_ptr = ctypes.addressof(self._buffer)
@@ -288,6 +288,9 @@ class PinnedRing(Closeable):
     memory, so while one lives the free waits for it and no view ever dangles. `released`
     tells whether the memory went back. In host mode the memory is ordinary and
     `device_view` returns the host view.
+
+    NOTE: freeing (cudaFreeHost) during a capture invalidates it: keep the ring and its views
+    alive across capture and replay, and close it only outside capture.
     """
 
     def __init__(self, nbytes: int, device=None) -> None:
