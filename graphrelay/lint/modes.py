@@ -50,10 +50,8 @@ class RunRecord:
     _covered_depth: int = 0
 
     def report(self, hazard: Hazard, location: Optional[SourceLocation]) -> None:
-        key = (hazard.kind, hazard.op, location.filename if location else None, location.lineno if location else None)
-        self.findings.setdefault(
-            key, Finding(kind=hazard.kind, op=hazard.op, location=location, fix=hazard.fix, detail=hazard.detail)
-        )
+        finding = Finding(kind=hazard.kind, op=hazard.op, location=location, fix=hazard.fix, detail=hazard.detail)
+        self.findings.setdefault((hazard.kind, hazard.op, location), finding)
 
     @contextlib.contextmanager
     def covered(self) -> Iterator[None]:
