@@ -98,14 +98,24 @@ class HostMirror(Closeable):
 
     In host mode (device cpu) the write runs synchronously and events are always fired.
     `use_triton` (default: on CUDA) picks the fused kernel over the torch reference; on CPU
-    it needs TRITON_INTERPRET=1 (the tests use it to compare the two).
+    it needs TRITON_INTERPRET=1 (the tests use it to compare the two). `validate=False` skips
+    the host-side checks of `write` (they read index values, a sync) for hot paths whose
+    slots were validated where they were assigned.
     """
 
-    def __init__(self, config: RelayConfig, device, depth: int = 3, use_triton: Optional[bool] = None):
+    def __init__(
+        self,
+        config: RelayConfig,
+        device,
+        depth: int = 3,
+        use_triton: Optional[bool] = None,
+        validate: bool = True,
+    ):
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
             raise ValueError(f"HostMirror depth must be a positive int (lag + 1), got {depth!r}")
         self.config = config
         self.depth = depth
+        self.validate = validate
         self.device = resolve_device(device)
         self.on_gpu = self.device.type == "cuda"
         use_triton = self.on_gpu if use_triton is None else use_triton
@@ -159,7 +169,7 @@ class HostMirror(Closeable):
         anything is written.
         """
         self._require_open()
-        if not (self.on_gpu and torch.cuda.is_current_stream_capturing()):
+        if self.validate and not (self.on_gpu and torch.cuda.is_current_stream_capturing()):
             self._validate(indices, generation, tokens, seq_lens, accept_len, confidence)
         self._write_ring(
             self._device, self._counter, indices, generation, tokens, seq_lens, accept_len, confidence

@@ -1,0 +1,253 @@
+"""The overlap-scheduled continuous-batching decode loop.
+
+Each turn of the loop (mode `overlap`):
+
+    admit arrivals (prefill, eager) -> launch iteration N (graph replay)
+        -> read iteration N-1's host mirror (the GPU is busy with N meanwhile)
+        -> append tokens, finish requests (stop token / length / abort) -> free slots
+
+`no-overlap` reads iteration N right after launching it (the GPU idles while the CPU
+schedules); `eager` is `overlap` without CUDA graphs (the engine decides that). A request
+that finished while an iteration was in flight gets that iteration's extra token discarded,
+and its slot returns to the free list only after every launched iteration that reads the
+slot has been read back (reusing it earlier is the index race SGLang hit).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections import deque
+from typing import Callable, Optional
+
+import msgspec
+import torch
+
+from capture.engine import Engine
+from capture.loop_stats import IterationClock, LoopStats
+from capture.surface import HostBatch
+from capture.workloads import Request
+
+MODES = ("overlap", "no-overlap", "eager")
+
+
+class RequestOutput(msgspec.Struct):
+    id: str
+    tokens: list[int]
+    finish_reason: str  # "stop" | "length" | "abort"
+
+
+class LoopResult(msgspec.Struct):
+    outputs: dict[str, RequestOutput]
+    stats: LoopStats
+
+
+class _Live:
+    """A request holding a slot."""
+
+    __slots__ = ("request", "slot", "tokens", "scheduled", "last_launch", "first_pending", "done")
+
+    def __init__(self, request: Request, slot: int):
+        self.request = request
+        self.slot = slot
+        self.tokens: list[int] = []
+        self.scheduled = 1  # tokens that will exist once launched work lands (prefill gives 1)
+        self.last_launch = -1  # last decode iteration that reads this slot
+        self.first_pending = True  # prefill's token not yet read back
+        self.done: Optional[str] = None
+
+    def wants_decode(self) -> bool:
+        return self.done is None and self.scheduled < self.request.max_new_tokens
+
+
+class ServingLoop:
+    """Runs requests to completion on an `Engine` (capture it first for graph modes)."""
+
+    def __init__(self, engine: Engine, mode: str = "overlap"):
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r} is not one of {MODES}")
+        self.engine = engine
+        self.mode = mode
+
+    def check_requests(self, requests: list[Request]) -> None:
+        """Reject requests the engine cannot hold, naming the request and the limit."""
+        config = self.engine.model.config
+        for r in requests:
+            if len(r.prompt) + r.max_new_tokens > config.max_seq_len:
+                raise ValueError(
+                    f"request {r.id!r}: prompt ({len(r.prompt)}) + max_new_tokens ({r.max_new_tokens}) "
+                    f"exceeds the model's max_seq_len {config.max_seq_len}"
+                )
+            if max(r.prompt) >= config.vocab_size:
+                raise ValueError(f"request {r.id!r}: token id {max(r.prompt)} >= vocab_size {config.vocab_size}")
+        ids = [r.id for r in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError("request ids must be unique")
+
+    def run(
+        self,
+        requests: list[Request],
+        *,
+        aborts: Optional[dict[str, int]] = None,
+        progress: Optional[Callable[[dict], None]] = None,
+    ) -> LoopResult:
+        """Serve `requests`; `aborts` maps a request id to the iteration count at which it is
+        aborted (for tests and demos); `progress` gets a status dict about twice a second."""
+        self.check_requests(requests)
+        run = _Run(self.engine, self.mode, requests, aborts or {}, progress)
+        with self.engine.activate(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sync_mode = torch.cuda.get_sync_debug_mode() if self.engine.on_gpu else None
+            if self.engine.on_gpu:
+                # torch reports every synchronizing op it makes; the loop counts them.
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                run.serve()
+            finally:
+                if self.engine.on_gpu:
+                    torch.cuda.set_sync_debug_mode(sync_mode)
+        syncs = sum("synchronizing" in str(w.message) for w in caught)
+        tokens = sum(len(o.tokens) for o in run.outputs.values())
+        return LoopResult(outputs=run.outputs, stats=run.clock.stats(self.mode, len(requests), tokens, syncs))
+
+
+class _Run:
+    """The state of one `ServingLoop.run`."""
+
+    def __init__(self, engine: Engine, mode: str, requests: list[Request], aborts: dict[str, int], progress):
+        self.engine = engine
+        self.overlap = mode != "no-overlap"
+        self.pending = deque(sorted(requests, key=lambda r: r.arrival))
+        self.aborts = dict(aborts)
+        self.progress = progress
+        self.free = list(range(engine.max_reqs, 0, -1))  # pop() hands out slot 1 first
+        self.retiring: list[tuple[int, int]] = []  # (slot, last iteration that reads it)
+        self.live: dict[int, _Live] = {}  # slot -> request
+        self.order: list[int] = []  # live slots in admission order (FIFO batching)
+        self.inflight: deque[int] = deque()
+        self.completed = -1  # every iteration <= this has been read back
+        self.outputs: dict[str, RequestOutput] = {}
+        self.clock = IterationClock(engine)
+        self.turns = 0
+
+    def serve(self) -> None:
+        self.clock.begin()
+        while self.pending or self.live or self.inflight:
+            self.clock.turn_start()
+            self._apply_aborts()
+            self._admit()
+            launched = self._launch()
+            keep = 1 if (self.overlap and launched) else 0
+            while len(self.inflight) > keep:
+                self._process(self.inflight.popleft())
+            if not launched and not self.inflight:
+                self._idle()
+            self._flush_first_tokens(block=False)
+            self._release_slots()
+            self.turns += 1
+            self.clock.turn_end()
+            if self.progress is not None:
+                self.clock.report(self.progress, len(self.live), len(self.outputs), len(self.pending))
+        self.clock.finish()
+
+    # ---- admission ------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        now = self.clock.elapsed()
+        while self.pending and self.free and self.pending[0].arrival <= now:
+            request = self.pending.popleft()
+            slot = self.free.pop()
+            self.engine.prefill(slot, request.prompt, request.sampling)
+            self.live[slot] = _Live(request, slot)
+            self.order.append(slot)
+
+    def _launch(self) -> bool:
+        rows = [self.live[s] for s in self.order if self.live[s].wants_decode()][: self.engine.max_batch]
+        if not rows:
+            return False
+        batch = HostBatch(slots=[r.slot for r in rows], params=[r.request.sampling for r in rows])
+        self.clock.launch_start()
+        iteration = self.engine.launch(batch)
+        self.clock.launch_end(iteration)
+        for r in rows:
+            r.scheduled += 1
+            r.last_launch = iteration
+        self.inflight.append(iteration)
+        return True
+
+    # ---- results --------------------------------------------------------------------------
+
+    def _process(self, iteration: int) -> None:
+        read = self.engine.read(iteration, block=False)
+        if read is None:
+            read = self.clock.wait(lambda: self.engine.read(iteration, block=True))
+        self.completed = iteration
+        self.clock.iteration_done(iteration)
+        fresh = read.fresh()
+        for slot, token in zip(fresh.slots.tolist(), fresh.tokens.tolist()):
+            live = self.live.get(slot)
+            if live is None or live.done is not None:
+                continue  # the request finished while this iteration was in flight: discard
+            self._take_first_token(live, block=True)  # stream order: prefill ran before this
+            if live.done is None:
+                self._append(live, token)
+
+    def _flush_first_tokens(self, block: bool) -> None:
+        for slot in list(self.order):
+            live = self.live[slot]
+            if live.first_pending:
+                self._take_first_token(live, block)
+
+    def _take_first_token(self, live: _Live, block: bool) -> None:
+        if not live.first_pending:
+            return
+        token = self.engine.first_token(live.slot, block=False)
+        if token is None and block:
+            token = self.clock.wait(lambda: self.engine.first_token(live.slot, block=True))
+        if token is not None:
+            live.first_pending = False
+            self._append(live, token)
+
+    def _append(self, live: _Live, token: int) -> None:
+        live.tokens.append(token)
+        request = live.request
+        if request.stop_token is not None and token == request.stop_token:
+            self._finish(live, "stop")
+        elif len(live.tokens) >= request.max_new_tokens:
+            self._finish(live, "length")
+
+    def _finish(self, live: _Live, reason: str) -> None:
+        live.done = reason
+        self.outputs[live.request.id] = RequestOutput(live.request.id, list(live.tokens), reason)
+        del self.live[live.slot]
+        self.order.remove(live.slot)
+        self.retiring.append((live.slot, live.last_launch))
+
+    def _release_slots(self) -> None:
+        keep = []
+        for slot, last in self.retiring:
+            if last <= self.completed:
+                self.free.append(slot)
+            else:
+                keep.append((slot, last))
+        self.retiring = keep
+
+    def _apply_aborts(self) -> None:
+        due = [rid for rid, at in self.aborts.items() if at <= self.turns]
+        for rid in due:
+            del self.aborts[rid]
+            live = next((l for l in self.live.values() if l.request.id == rid), None)
+            if live is not None:
+                self._finish(live, "abort")
+                continue
+            queued = next((r for r in self.pending if r.id == rid), None)
+            if queued is not None:
+                self.pending.remove(queued)
+                self.outputs[rid] = RequestOutput(rid, [], "abort")
+
+    def _idle(self) -> None:
+        """Nothing launched and nothing in flight: wait for a prefill token or the next arrival."""
+        if any(l.first_pending for l in self.live.values()):
+            self._flush_first_tokens(block=True)
+        elif self.pending and not self.live:
+            time.sleep(max(0.0, min(0.05, self.pending[0].arrival - self.clock.elapsed())))

@@ -1,0 +1,130 @@
+"""What a serving run measures: iteration times on the host, GPU busy/idle time between
+iterations from timing events, CPU scheduling time, and blocking waits.
+
+GPU timing uses a small pool of cuda-python timing events, one (start, end) pair per
+in-flight iteration: `start` is recorded when the turn begins (before prefills, so their GPU
+time counts as busy), `end` right after the iteration's launch. Pairs are read back when the
+iteration is, so timing never adds a wait of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import msgspec
+
+from graphrelay.runtime import Event
+
+_PAIRS = 8  # timing-event pairs: more than the iterations ever in flight at once
+_PROGRESS_EVERY_S = 0.5
+
+
+class LoopStats(msgspec.Struct):
+    mode: str
+    device: str
+    graphs: bool
+    requests: int
+    tokens: int
+    iterations: int
+    wall_s: float
+    tokens_per_s: float
+    iter_ms_mean: float  # host time between successive launches
+    iter_ms_p99: float
+    cpu_sched_us_per_iter: float  # host time per turn not spent waiting for the device
+    gpu_step_us_per_iter: Optional[float]  # GPU time per iteration (prefills included), GPU only
+    gpu_idle_fraction: Optional[float]  # GPU idle between iterations / total span, GPU only
+    host_syncs_per_iter: float  # synchronizing torch ops (counted by torch's sync debug mode)
+    event_waits_per_iter: float  # blocking waits for an iteration's results
+
+
+class IterationClock:
+    def __init__(self, engine):
+        self.engine = engine
+        self.on_gpu = engine.on_gpu
+        if self.on_gpu:
+            self._pairs = [(Event(timing=True, device=engine.device), Event(timing=True, device=engine.device)) for _ in range(_PAIRS)]
+        self._launch_times: list[float] = []
+        self._busy_ms: list[float] = []
+        self._gap_ms: list[float] = []
+        self._sched_s = 0.0
+        self._wait_s = 0.0
+        self._waits = 0
+        self._last_done: Optional[int] = None
+        self._last_progress = 0.0
+
+    def begin(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def turn_start(self) -> None:
+        self._turn_t = time.perf_counter()
+        self._turn_wait = 0.0
+        if self.on_gpu:
+            # Re-recorded every turn until a launch claims it for iteration `iterations_launched`.
+            self._pairs[self.engine.iterations_launched % _PAIRS][0].record(self.engine.torch_stream)
+
+    def turn_end(self) -> None:
+        self._sched_s += time.perf_counter() - self._turn_t - self._turn_wait
+
+    def launch_start(self) -> None:
+        self._launch_times.append(time.perf_counter())
+
+    def launch_end(self, iteration: int) -> None:
+        if self.on_gpu:
+            self._pairs[iteration % _PAIRS][1].record(self.engine.torch_stream)
+
+    def wait(self, fn):
+        """Run a blocking `fn`, counting it as a wait for the device."""
+        start = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            spent = time.perf_counter() - start
+            self._turn_wait += spent
+            self._wait_s += spent
+            self._waits += 1
+
+    def iteration_done(self, iteration: int) -> None:
+        if not self.on_gpu:
+            return
+        start, end = self._pairs[iteration % _PAIRS]
+        end.synchronize()  # recorded just after the mirror's event, which has fired: no real wait
+        self._busy_ms.append(start.elapsed_ms(end))
+        if self._last_done == iteration - 1:
+            self._gap_ms.append(max(0.0, self._pairs[(iteration - 1) % _PAIRS][1].elapsed_ms(start)))
+        self._last_done = iteration
+
+    def finish(self) -> None:
+        self._wall = time.perf_counter() - self._t0
+
+    def report(self, progress: Callable[[dict], None], running: int, done: int, pending: int) -> None:
+        now = time.perf_counter()
+        if now - self._last_progress >= _PROGRESS_EVERY_S:
+            self._last_progress = now
+            progress({"iterations": len(self._launch_times), "running": running, "done": done, "pending": pending, "elapsed_s": now - self._t0})
+
+    def stats(self, mode: str, requests: int, tokens: int, syncs: int) -> LoopStats:
+        iters = max(1, len(self._launch_times))
+        gaps = [b - a for a, b in zip(self._launch_times, self._launch_times[1:])]
+        gaps_ms = sorted(g * 1e3 for g in gaps) or [0.0]
+        busy = sum(self._busy_ms)
+        return LoopStats(
+            mode=mode,
+            device=str(self.engine.device),
+            graphs=bool(self.engine.runner.graphs),
+            requests=requests,
+            tokens=tokens,
+            iterations=len(self._launch_times),
+            wall_s=self._wall,
+            tokens_per_s=tokens / self._wall if self._wall > 0 else 0.0,
+            iter_ms_mean=sum(gaps_ms) / len(gaps_ms),
+            iter_ms_p99=gaps_ms[min(len(gaps_ms) - 1, int(0.99 * len(gaps_ms)))],
+            cpu_sched_us_per_iter=self._sched_s / iters * 1e6,
+            gpu_step_us_per_iter=busy / len(self._busy_ms) * 1e3 if self._busy_ms else None,
+            gpu_idle_fraction=(sum(self._gap_ms) / (sum(self._gap_ms) + busy)) if self._busy_ms else None,
+            host_syncs_per_iter=syncs / iters,
+            event_waits_per_iter=self._waits / iters,
+        )
