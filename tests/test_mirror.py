@@ -24,9 +24,9 @@ PLAIN = RelayConfig.plain(max_reqs=6, max_batch=4)
 class Harness:
     """A mirror plus the relay-side state it reads: device and host generation tables."""
 
-    def __init__(self, config=FULL, depth=3, use_triton=False):
+    def __init__(self, config=FULL, depth=3, **mirror_options):
         self.config = config
-        self.mirror = HostMirror(config, "cpu", depth=depth, use_triton=use_triton)
+        self.mirror = HostMirror(config, "cpu", depth=depth, **mirror_options)
         self.generation = torch.zeros(config.rows, dtype=torch.int64)  # "device" table
         self.host_generation = torch.zeros(config.rows, dtype=torch.int64)
         self.stream = Stream("cpu")
@@ -271,6 +271,17 @@ def test_bad_writes_raise_and_change_nothing(case):
         h.mirror.write(**args)
     after = h.ring_state()
     assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+
+
+def test_validate_false_skips_the_host_checks():
+    checked, trusting = Harness(PLAIN), Harness(PLAIN, validate=False)
+    strided = torch.arange(8, dtype=torch.int32)[::2]  # valid values, but not contiguous
+    args = (torch.tensor([1, 2, 3, 4]), checked.generation, torch.arange(4), strided)
+    with pytest.raises(ValueError, match="contiguous"):
+        checked.mirror.write(*args)
+    trusting.mirror.write(*args)  # the torch path copes; the caller vouched for the inputs
+    trusting.mirror.record(0, trusting.stream)
+    assert trusting.mirror.poll(0, trusting.host_generation).seq_lens.tolist() == [0, 2, 4, 6]
 
 
 def test_fields_the_config_lacks_are_rejected():
