@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The whole GPU check in one command, on a GPU machine (also one with no network):
+#   tools/gpu_check.sh [OUT_DIR]        (default: $OUT, else results/gpu-check)
+# Installs any wheels shipped beside the repo (.whl/ or tools/wheels/, e.g. msgspec), runs the
+# full test suite with the GPU tests (`pytest -m gpu` included), the benchmarks and the main
+# job, and writes logs plus summary.md into OUT_DIR.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+out=${1:-${OUT:-$root/results/gpu-check}}
+mkdir -p "$out"
+cd "$root"
+export PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+
+wheels=$(ls .whl/*.whl tools/wheels/*.whl 2>/dev/null || true)
+if [ -n "$wheels" ]; then
+    "$py" -m pip install -q --no-index --no-deps --target /tmp/graphrelay-site $wheels || exit 1
+    export PYTHONPATH=/tmp/graphrelay-site:$root${PYTHONPATH:+:$PYTHONPATH}
+else
+    export PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+{
+    echo "# graphrelay GPU check"
+    echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (+ uncommitted changes)')"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/gpu: /'
+    "$py" -c 'import sys, torch, triton, msgspec; from cuda import bindings; print(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton {triton.__version__}, cuda-bindings {bindings.__version__}, msgspec {msgspec.__version__}")'
+} > "$out/summary.md" 2>&1
+
+status=0
+step() {  # step NAME COMMAND...: run, log to OUT/NAME.log, note the result in the summary
+    local name=$1; shift
+    local start=$SECONDS
+    "$@" > "$out/$name.log" 2>&1
+    local rc=$?
+    [ $rc -eq 0 ] || status=1
+    echo "- $name: $([ $rc -eq 0 ] && echo ok || echo "FAILED (exit $rc)") in $((SECONDS - start)) s" >> "$out/summary.md"
+    tail -n 3 "$out/$name.log" | sed 's/^/    /' >> "$out/summary.md"
+}
+
+step gpu-tests "$py" -m pytest -q -m gpu -p no:cacheprovider --junitxml="$out/gpu-tests.xml" ${GPU_CHECK_PYTEST_ARGS:-}
+step all-tests "$py" -m pytest -q -p no:cacheprovider -m "not gpu" ${GPU_CHECK_PYTEST_ARGS:-}
+if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
+    step bench-relay "$py" -m tools.cli bench relay --out "$out"
+    step bench-loop "$py" -m tools.cli bench loop --out "$out"
+fi
+step serve "$py" -m tools.cli serve --json "$out/serve.json"
+cat "$out/summary.md"
+exit $status
