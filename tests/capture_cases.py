@@ -1,0 +1,289 @@
+"""Shared builders for capture-layer tests: a decode-step stack (relay, tiny model, host mirror,
+static inputs, DecodeStep, GraphRunner), a scheduler-like driver, batch-composition schedules,
+and state comparisons whose failure messages say what differed and where.
+
+CPU and GPU tests drive the same code, so the GPU suite exercises exactly the flow the CPU
+tests check against the slow reference model.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+
+from capture.buckets import default_buckets
+from capture.graph_runner import WARMUP_RUNS, GraphRunner
+from capture.model import LlamaModel, ModelConfig
+from capture.sampling import SamplingParams
+from capture.step import DecodeStep
+from capture.surface import DecodeInputs, HostBatch
+from graphrelay import Relay, RelayConfig, RelayPayload
+from graphrelay.mirror import HostMirror, MirrorRead
+from relay_cases import bits
+
+MODEL = ModelConfig.preset("tiny")  # vocab 512, 2 layers, max_seq_len 256: fast on CPU and GPU
+GREEDY = SamplingParams()
+# Seeded temperature / top-k rows exercise the sampler's Gumbel path under capture.
+SAMPLED = (SamplingParams(temperature=0.8, seed=11), SamplingParams(temperature=1.3, top_k=20, seed=-5))
+
+
+# ---- the stack ------------------------------------------------------------------------------
+
+
+@dataclass
+class Stack:
+    """Everything one decode step touches, built the way an engine builds it."""
+
+    relay: Relay
+    model: LlamaModel
+    mirror: HostMirror
+    inputs: DecodeInputs
+    step: DecodeStep
+    runner: GraphRunner
+    stream: object  # what mirror.record takes: the current torch stream on CUDA, 0 on the CPU
+    addresses: dict[str, int] = field(default_factory=dict)  # static buffers at build time
+
+    @property
+    def config(self) -> RelayConfig:
+        return self.relay.config
+
+
+def build_stack(
+    device,
+    *,
+    max_reqs: int = 24,
+    max_batch: int = 16,
+    buckets: Optional[Sequence[int]] = None,
+    use_graphs: bool = True,
+    depth: int = 3,
+) -> Stack:
+    """A stack, warmed up (and captured when `use_graphs` on CUDA), mirror reset to iteration 0.
+
+    Eager stacks run the runner's warm-up too, so their padding scratch rows (KV row 0) hold
+    what a captured twin's hold, and whole-state comparisons stay bit-exact."""
+    device = torch.device(device)
+    cfg = RelayConfig.plain(max_reqs, max_batch)
+    # validate=False: host-side value checks read indices (a sync), which sync-debug "error"
+    # warm-up and capture forbid; the scheduler validates slots where it assigns them.
+    relay = Relay(cfg, device, validate=False)
+    model = LlamaModel(MODEL, max_reqs, device)
+    mirror = HostMirror(cfg, device, depth=depth, validate=False)
+    inputs = DecodeInputs(max_batch, device)
+    step = DecodeStep(relay, model, mirror, inputs)
+    runner = GraphRunner(step, list(buckets) if buckets else default_buckets(max_batch), max_batch, device,
+                         use_graphs=use_graphs)
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else 0
+    stack = Stack(relay, model, mirror, inputs, step, runner, stream)
+    stack.addresses = static_addresses(stack)
+    if runner.use_graphs:
+        runner.capture()
+    else:
+        # The runner's warm-up, eagerly: all-padding inputs (DecodeInputs starts zeroed).
+        for bs in sorted(runner.buckets, reverse=True):
+            for _ in range(WARMUP_RUNS):
+                step(bs)
+    mirror.reset()  # warm-up advanced the mirror's device counter
+    return stack
+
+
+def close_stack(stack: Stack) -> None:
+    """Drop the graphs before the mirror's ring (they hold its address), then free the ring."""
+    if stack.relay.device.type == "cuda":
+        torch.cuda.synchronize(stack.relay.device)
+    stack.runner.graphs.clear()
+    stack.mirror.close()
+
+
+def static_addresses(stack: Stack) -> dict[str, int]:
+    """data_ptr of every buffer a captured step reads or writes: graphs bake these in, so any
+    move means a replay reads or writes freed memory."""
+    out = {f"inputs.{name}": t.data_ptr() for name, t in zip(stack.inputs.buffers._fields, stack.inputs.buffers)}
+    out.update({f"relay.{name}": t.data_ptr() for name, t in stack.relay.buffers.items()})
+    out["relay.generation"] = stack.relay.generation.data_ptr()
+    for name in stack.step.resolved.__struct_fields__:
+        t = getattr(stack.step.resolved, name)
+        if t is not None:
+            out[f"step.resolved.{name}"] = t.data_ptr()
+    for name in ("logits", "next_tokens", "new_seq_lens"):
+        out[f"step.{name}"] = getattr(stack.step, name).data_ptr()
+    cache = stack.model.kv_cache
+    for layer, (k, v) in enumerate(zip(cache.keys, cache.values)):
+        out[f"kv.keys[{layer}]"] = k.data_ptr()
+        out[f"kv.values[{layer}]"] = v.data_ptr()
+    return out
+
+
+# ---- driving it like a scheduler ------------------------------------------------------------
+
+
+class Driver:
+    """Plays a scheduler over one stack: requests join (admit + prefill + first token into
+    the relay), leave, and every launch decodes a batch of slots in a given order."""
+
+    def __init__(self, stack: Stack):
+        self.stack = stack
+        self.params: dict[int, SamplingParams] = {}
+        self.iteration = 0  # next iteration to launch
+
+    def join(self, slot: int, prompt: Sequence[int], params: SamplingParams = GREEDY) -> torch.Tensor:
+        """Admit `slot` for a new request; returns its first token (greedy over the prefill
+        logits), as a [1] device tensor, after putting it and the seq len into the relay."""
+        s = self.stack
+        s.relay.admit([slot])
+        logits = s.model.prefill(slot, torch.tensor(prompt, dtype=torch.int64))  # [vocab]
+        token = logits.argmax().view(1)
+        index = torch.tensor([slot], dtype=torch.int64, device=s.relay.device)
+        s.relay.stash(index, RelayPayload(tokens=token))
+        s.relay.publish(index, torch.tensor([len(prompt)], dtype=torch.int32, device=s.relay.device))
+        self.params[slot] = params
+        return token
+
+    def leave(self, slot: int) -> None:
+        del self.params[slot]
+
+    def launch(self, slots: Sequence[int]) -> int:
+        """Load `slots` (batch order) padded to their bucket and run one step; records the
+        iteration. Returns the size the step ran at."""
+        s = self.stack
+        n = len(slots)
+        padded = s.runner.bucket(n) or n
+        s.inputs.load(HostBatch(list(slots), [self.params[x] for x in slots]), padded)
+        ran = s.runner.run(n)
+        assert ran == padded, f"runner ran {ran} rows for a batch of {n}, expected bucket {padded}"
+        s.mirror.record(self.iteration, s.stream)
+        self.iteration += 1
+        return ran
+
+    def apply(self, plan: "StepPlan") -> int:
+        """One scheduler iteration: leaves, joins, then the decode launch."""
+        for slot in plan.leave:
+            self.leave(slot)
+        for slot, prompt, params in plan.join:
+            self.join(slot, prompt, params)
+        return self.launch(plan.batch)
+
+    def read(self, iteration: int) -> MirrorRead:
+        return self.stack.mirror.wait(iteration, self.stack.relay.host_generation)
+
+
+# ---- schedules ------------------------------------------------------------------------------
+
+
+class StepPlan(NamedTuple):
+    leave: list[int]  # slots whose requests finished before this step
+    join: list[tuple[int, list[int], SamplingParams]]  # (slot, prompt, params) admitted before it
+    batch: list[int]  # slots decoded this step, in batch order (running requests may sit out)
+
+
+def composition_schedule(
+    steps: int, max_reqs: int, max_batch: int, *, seed: int, sampled: bool = True, vocab: int = MODEL.vocab_size,
+) -> list[StepPlan]:
+    """A schedule whose batch composition changes every step: requests join and leave, freed
+    slots are reused (so generations bump), the batch is a shuffled subset of the running
+    requests, and batch sizes cycle through 1..max_batch (so every bucket and many padding
+    amounts occur). One step in the middle is an empty batch: a bucket of pure padding.
+
+    Prompts are at most 12 tokens, so a request stays far below max_seq_len over 64 steps."""
+    rng = random.Random(seed)
+    sizes: list[int] = []
+    while len(sizes) < steps:
+        cycle = list(range(1, max_batch + 1))
+        rng.shuffle(cycle)
+        sizes += cycle
+    sizes[steps // 2] = 0
+    running: list[int] = []
+    free = list(range(1, max_reqs + 1))
+    rng.shuffle(free)
+    plans = []
+    for t in range(steps):
+        target = sizes[t]
+        leave = rng.sample(running, rng.randint(0, min(3, len(running))))
+        for slot in leave:
+            running.remove(slot)
+        joins = []
+        want = max(target - len(running), rng.randint(0, 2))
+        for _ in range(min(want, len(free))):
+            # Freed slots go to the back of the queue half the time and straight back into
+            # use the other half: immediate reuse is where stale rows would show.
+            slot = free.pop(0 if rng.random() < 0.5 else -1)
+            prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
+            params = rng.choice((GREEDY,) + SAMPLED) if sampled else GREEDY
+            joins.append((slot, prompt, params))
+            running.append(slot)
+        free += leave
+        batch = rng.sample(running, min(target, len(running)))
+        plans.append(StepPlan(leave, joins, batch))
+    return plans
+
+
+# ---- comparisons ----------------------------------------------------------------------------
+
+
+def step_state(stack: Stack, bs: int) -> dict[str, torch.Tensor]:
+    """Clones of everything a step writes: relay rows, generations, KV caches (dim 0 = slot),
+    and the step's static outputs for the bucket (dim 0 = batch row)."""
+    state = {f"relay.{name}[slot]": t.clone() for name, t in stack.relay.buffers.items()}
+    state["relay.generation[slot]"] = stack.relay.generation.clone()
+    cache = stack.model.kv_cache
+    for layer, (k, v) in enumerate(zip(cache.keys, cache.values)):
+        state[f"kv.keys[{layer}][slot]"] = k.clone()
+        state[f"kv.values[{layer}][slot]"] = v.clone()
+    resolved = stack.step.resolved.narrow(bs)
+    for name in resolved.__struct_fields__:
+        t = getattr(resolved, name)
+        if t is not None:
+            state[f"step.resolved.{name}[row]"] = t.clone()
+    for name in ("logits", "next_tokens", "new_seq_lens"):
+        state[f"step.{name}[row]"] = getattr(stack.step, name)[:bs].clone()
+    state["inputs.slots[row]"] = stack.inputs.buffers.slots[:bs].clone()
+    return state
+
+
+def state_differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """Bit-level differences, one line per tensor: its name, the first differing index along
+    dim 0 (a slot or a batch row, as the name says) and both values there."""
+    assert a.keys() == b.keys(), f"state keys differ: {sorted(a.keys() ^ b.keys())}"
+    lines = []
+    for name in a:
+        x, y = a[name], b[name]
+        if x.shape != y.shape or x.dtype != y.dtype:
+            lines.append(f"{name}: {x.dtype}{tuple(x.shape)} vs {y.dtype}{tuple(y.shape)}")
+            continue
+        if torch.equal(bits(x), bits(y)):
+            continue
+        rows = (bits(x.reshape(x.shape[0], -1)).view(x.shape[0], -1) != bits(y.reshape(y.shape[0], -1)).view(y.shape[0], -1))
+        first = int(rows.any(dim=1).nonzero()[0])
+        count = int(rows.any(dim=1).sum())
+        lines.append(f"{name}: {count} rows differ, first at index {first}: "
+                     f"{_short(x[first])} vs {_short(y[first])}")
+    return lines
+
+
+def assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], context: str) -> None:
+    diffs = state_differences(a, b)
+    assert not diffs, f"{context}: graph and eager differ:\n  " + "\n  ".join(diffs)
+
+
+def assert_same_read(a: MirrorRead, b: MirrorRead, context: str) -> None:
+    """Two mirror reads of the same iteration agree on every row field, bit for bit."""
+    assert a.iteration == b.iteration, f"{context}: iterations {a.iteration} vs {b.iteration}"
+    for name in ("slots", "generation", "tokens", "seq_lens", "stale"):
+        x, y = getattr(a, name), getattr(b, name)
+        if x.shape != y.shape or not torch.equal(x, y):
+            raise AssertionError(
+                f"{context}: mirror {name} differ for iteration {a.iteration}: "
+                f"{x.tolist()} vs {y.tolist()} (slots {a.slots.tolist()} vs {b.slots.tolist()})")
+
+
+def assert_same_addresses(before: dict[str, int], after: dict[str, int], context: str) -> None:
+    moved = {k: (before[k], after.get(k)) for k in before if before[k] != after.get(k)}
+    assert not moved, f"{context}: static buffers moved (a replay would use the old address): {moved}"
+
+
+def _short(t: torch.Tensor) -> str:
+    flat = t.reshape(-1)
+    text = flat[:6].tolist()
+    return f"{text}{'...' if flat.numel() > 6 else ''}"

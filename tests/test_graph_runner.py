@@ -1,0 +1,121 @@
+"""Bucket policy and the graph runner on the CPU, where it runs the step eagerly at the padded
+bucket size: the shapes a GPU replay would see, without a GPU."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from capture.buckets import bucket_for, check_buckets, default_buckets
+from capture.graph_runner import GraphRunner
+
+
+class RecordingStep:
+    """A step function that remembers the sizes it was called with."""
+
+    def __init__(self):
+        self.calls: list[int] = []
+
+    def __call__(self, bs: int) -> None:
+        self.calls.append(bs)
+
+
+# ---- buckets ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_batch", [1, 5, 32, 100, 256])
+def test_default_buckets_shape(max_batch):
+    """Dense below 32, every 16 above, max_batch always last. If this failed, small batches
+    would pay for heavy padding or large ones would have no graph."""
+    buckets = default_buckets(max_batch)
+    assert buckets == sorted(set(buckets))
+    assert buckets[0] == 1 and buckets[-1] == max_batch
+    small = [b for b in buckets if b <= 32]
+    assert small == [b for b in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if b < max_batch] + ([max_batch] if max_batch <= 32 else [])
+    large = [b for b in buckets if b > 32]
+    steps = {b - a for a, b in zip([32] + large, large)}
+    assert all(s <= 16 for s in steps), f"large buckets too coarse: {large}"
+
+
+def test_default_buckets_for_256():
+    assert default_buckets(256) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, *range(48, 257, 16)]
+
+
+def test_default_buckets_rejects_nonpositive():
+    with pytest.raises(ValueError, match="max_batch"):
+        default_buckets(0)
+
+
+@pytest.mark.parametrize("bs, expected", [(0, 1), (1, 1), (5, 6), (6, 6), (7, 8), (16, 16), (17, None)])
+def test_bucket_for(bs, expected):
+    """The smallest bucket that fits, None above the largest; an empty batch takes the
+    smallest bucket (a bucket of padding). If this failed, a batch would replay a graph too
+    small for it (dropped requests) or needlessly large."""
+    assert bucket_for([1, 2, 4, 6, 8, 16], bs) == expected
+
+
+def test_check_buckets_sorts_and_dedups():
+    assert check_buckets([8, 1, 4, 4, 2], 8) == [1, 2, 4, 8]
+
+
+@pytest.mark.parametrize("buckets, match", [([], "empty"), ([0, 4], "bucket 0"), ([4, 9], "bucket 9"),
+                                            ([2.0], "bucket 2.0")])
+def test_check_buckets_errors(buckets, match):
+    """Bad bucket lists fail at construction with the offending value. If this failed, a bad
+    bucket would only show up as an index error in the middle of capture."""
+    with pytest.raises(ValueError, match=match):
+        check_buckets(buckets, 8)
+
+
+# ---- the runner on the CPU ------------------------------------------------------------------
+
+
+def test_cpu_runner_captures_nothing():
+    """On the CPU there are no graphs and capture is a no-op that still reports."""
+    step = RecordingStep()
+    runner = GraphRunner(step, [4, 1, 2], 4, "cpu")
+    assert not runner.use_graphs
+    report = runner.capture()
+    assert report.buckets == [1, 2, 4] and report.graph_memory_bytes == 0
+    assert runner.graphs == {} and step.calls == []
+
+
+def test_run_pads_to_the_bucket():
+    """A batch runs the step at its bucket size and reports it. If this failed, eager mode
+    would see shapes the graphs never do, and eager-vs-graph comparisons would be moot."""
+    step = RecordingStep()
+    runner = GraphRunner(step, [1, 2, 4, 8], 8, "cpu")
+    runner.capture()
+    assert [runner.run(bs) for bs in (1, 3, 4, 5, 8, 0)] == [1, 4, 4, 8, 8, 1]
+    assert step.calls == [1, 4, 4, 8, 8, 1]
+    assert runner.bucket(3) == 4 and runner.bucket(9) is None
+
+
+def test_oversized_batch_warns_once_and_runs_eagerly():
+    """Above the largest bucket the step runs at the batch's own size, warning only the first
+    time. If this failed, an engine would crash on a burst, or flood its log every step."""
+    step = RecordingStep()
+    runner = GraphRunner(step, [1, 2, 4], 8, "cpu")
+    with pytest.warns(UserWarning, match="batch of 6 exceeds the largest bucket 4"):
+        assert runner.run(6) == 6
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert runner.run(8) == 8
+        assert runner.run(3) == 4
+    assert step.calls == [6, 8, 4]
+
+
+def test_oversized_batch_raises_when_strict():
+    """strict=True turns the fallback into a ValueError before the step runs."""
+    step = RecordingStep()
+    runner = GraphRunner(step, [1, 2, 4], 8, "cpu", strict=True)
+    with pytest.raises(ValueError, match="exceeds the largest bucket 4"):
+        runner.run(5)
+    assert step.calls == []
+    assert runner.run(4) == 4
+
+
+def test_runner_rejects_bad_buckets():
+    with pytest.raises(ValueError, match="max_batch"):
+        GraphRunner(RecordingStep(), [1, 16], 8, "cpu")
