@@ -1,0 +1,35 @@
+"""`graphrelay bench SUBCOMMAND`: benchmarks, each in its own module with `main(argv) -> int`.
+
+A benchmark plugs in with one entry in SUBCOMMANDS; its module is imported only when asked
+for. Shared pieces: `options` (CLI and device), `timing` (CUDA-event loops, graph replays,
+ceilings), `results` (environment, targets, JSON), `plots` (PNG panels).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> (module with `main(argv) -> int`, one-line summary)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "relay": ("tools.bench.relay", "one relay iteration's cost for batch sizes 1..512, against its floor and a per-field baseline"),
+}
+
+
+def usage() -> str:
+    width = max(len(name) for name in SUBCOMMANDS)
+    lines = [f"  {name.ljust(width)}  {summary}" for name, (_, summary) in SUBCOMMANDS.items()]
+    return ("usage: graphrelay bench {" + ",".join(SUBCOMMANDS) + "} [ARGS]\n\n" + "\n".join(lines)
+            + "\n\n`graphrelay bench SUBCOMMAND --help` for each one's options.")
+
+
+def bench_main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage(), file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"graphrelay bench: unknown benchmark {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    return module.main(rest)
