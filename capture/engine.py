@@ -58,8 +58,10 @@ class Engine:
             use_graphs=use_graphs, progress=progress,
         )
         self.max_top_k = max_top_k
-        self.stream = Stream(self.device)
-        self.torch_stream = self.stream.as_torch() if self.on_gpu else None
+        # A pooled torch stream, wrapped: torch's pinned tensors (staging, prompts) are copied
+        # on it and outlive any one engine (see graphrelay.runtime.Stream).
+        self.torch_stream = torch.cuda.Stream(self.device) if self.on_gpu else None
+        self.stream = Stream.from_torch(self.torch_stream) if self.on_gpu else Stream(self.device)
         # First tokens sampled by prefill, per slot, read by the host once their event fired.
         self._first_tokens = torch.zeros(relay_config.rows, dtype=torch.int64, pin_memory=self.on_gpu)
         self._first_token_events = [Event(device=self.device) for _ in range(relay_config.rows)]
@@ -106,7 +108,7 @@ class Engine:
         self.relay.stash(slots, RelayPayload(tokens=token))
         self.relay.publish(slots, dev[4:5].to(self.relay.config.seq_len_torch_dtype))
         self._first_tokens[slot : slot + 1].copy_(token, non_blocking=True)
-        self._first_token_events[slot].record(self._current_stream())
+        self._first_token_events[slot].record(self.stream)
 
     def first_token(self, slot: int, block: bool = False) -> Optional[int]:
         """The token prefill sampled for `slot`, once the device has produced it (None if not
@@ -122,11 +124,10 @@ class Engine:
         """Queue one decode iteration for `batch` (graph replay, or eager); returns its number."""
         n = len(batch.slots)
         bs = self.runner.bucket(n) or n
-        stream = self._current_stream()
         self.inputs.load(batch, bs, self.torch_stream)
         self.runner.run(n)
         iteration = self.iterations_launched
-        self.mirror.record(iteration, stream)
+        self.mirror.record(iteration, self.stream)
         self.iterations_launched += 1
         return iteration
 
@@ -135,10 +136,6 @@ class Engine:
         if block:
             return self.mirror.wait(iteration, self.relay.host_generation)
         return self.mirror.poll(iteration, self.relay.host_generation)
-
-    def _current_stream(self):
-        return self.torch_stream if self.on_gpu else self.stream
-
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host -> device through pinned memory, non-blocking (a pageable copy would wait for the

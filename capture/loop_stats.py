@@ -1,10 +1,12 @@
 """What a serving run measures: iteration times on the host, GPU busy/idle time between
 iterations from timing events, CPU scheduling time, and blocking waits.
 
-GPU timing uses a small pool of cuda-python timing events, one (start, end) pair per
-in-flight iteration: `start` is recorded when the turn begins (before prefills, so their GPU
-time counts as busy), `end` right after the iteration's launch. Pairs are read back when the
-iteration is, so timing never adds a wait of its own.
+GPU timing uses a small pool of cuda-python timing events, one set per in-flight iteration:
+`turn` when the turn begins (before prefills, so their GPU time counts as busy), `launch`
+just before the iteration's inputs are copied in, `end` right after its launch. The decode
+step's GPU time is launch -> end; the GPU sat idle from one iteration's `end` to the next
+turn's `turn` mark, when nothing was queued. Sets are read back with their iteration, so
+timing never adds a wait of its own.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import msgspec
 
 from graphrelay.runtime import Event
 
-_PAIRS = 8  # timing-event pairs: more than the iterations ever in flight at once
+_SETS = 8  # timing-event sets: more than the iterations ever in flight at once
+_TURN, _LAUNCH, _END = 0, 1, 2
 _PROGRESS_EVERY_S = 0.5
 
 
@@ -32,7 +35,9 @@ class LoopStats(msgspec.Struct):
     iter_ms_mean: float  # host time between successive launches
     iter_ms_p99: float
     cpu_sched_us_per_iter: float  # host time per turn not spent waiting for the device
-    gpu_step_us_per_iter: Optional[float]  # GPU time per iteration (prefills included), GPU only
+    cpu_sched_us_median: float
+    gpu_step_us_per_iter: Optional[float]  # GPU time of one decode iteration (graph or eager), GPU only
+    gpu_step_us_median: Optional[float]
     gpu_idle_fraction: Optional[float]  # GPU idle between iterations / total span, GPU only
     host_syncs_per_iter: float  # synchronizing torch ops (counted by torch's sync debug mode)
     event_waits_per_iter: float  # blocking waits for an iteration's results
@@ -43,11 +48,12 @@ class IterationClock:
         self.engine = engine
         self.on_gpu = engine.on_gpu
         if self.on_gpu:
-            self._pairs = [(Event(timing=True, device=engine.device), Event(timing=True, device=engine.device)) for _ in range(_PAIRS)]
+            self._sets = [[Event(timing=True, device=engine.device) for _ in range(3)] for _ in range(_SETS)]
         self._launch_times: list[float] = []
-        self._busy_ms: list[float] = []
+        self._busy_ms: list[float] = []  # turn mark -> end: prefills + the iteration
+        self._step_ms: list[float] = []  # launch -> end: the decode iteration alone
         self._gap_ms: list[float] = []
-        self._sched_s = 0.0
+        self._sched_s: list[float] = []
         self._wait_s = 0.0
         self._waits = 0
         self._last_done: Optional[int] = None
@@ -64,17 +70,22 @@ class IterationClock:
         self._turn_wait = 0.0
         if self.on_gpu:
             # Re-recorded every turn until a launch claims it for iteration `iterations_launched`.
-            self._pairs[self.engine.iterations_launched % _PAIRS][0].record(self.engine.torch_stream)
+            self._mark(self.engine.iterations_launched, _TURN)
 
     def turn_end(self) -> None:
-        self._sched_s += time.perf_counter() - self._turn_t - self._turn_wait
+        self._sched_s.append(time.perf_counter() - self._turn_t - self._turn_wait)
 
     def launch_start(self) -> None:
         self._launch_times.append(time.perf_counter())
+        if self.on_gpu:
+            self._mark(self.engine.iterations_launched, _LAUNCH)
 
     def launch_end(self, iteration: int) -> None:
         if self.on_gpu:
-            self._pairs[iteration % _PAIRS][1].record(self.engine.torch_stream)
+            self._mark(iteration, _END)
+
+    def _mark(self, iteration: int, which: int) -> None:
+        self._sets[iteration % _SETS][which].record(self.engine.stream)
 
     def wait(self, fn):
         """Run a blocking `fn`, counting it as a wait for the device."""
@@ -90,11 +101,13 @@ class IterationClock:
     def iteration_done(self, iteration: int) -> None:
         if not self.on_gpu:
             return
-        start, end = self._pairs[iteration % _PAIRS]
-        end.synchronize()  # recorded just after the mirror's event, which has fired: no real wait
-        self._busy_ms.append(start.elapsed_ms(end))
+        marks = self._sets[iteration % _SETS]
+        marks[_END].synchronize()  # recorded just after the mirror's event, which fired: no real wait
+        self._step_ms.append(marks[_LAUNCH].elapsed_ms(marks[_END]))
+        self._busy_ms.append(marks[_TURN].elapsed_ms(marks[_END]))
         if self._last_done == iteration - 1:
-            self._gap_ms.append(max(0.0, self._pairs[(iteration - 1) % _PAIRS][1].elapsed_ms(start)))
+            previous_end = self._sets[(iteration - 1) % _SETS][_END]
+            self._gap_ms.append(max(0.0, previous_end.elapsed_ms(marks[_TURN])))
         self._last_done = iteration
 
     def finish(self) -> None:
@@ -111,6 +124,7 @@ class IterationClock:
         gaps = [b - a for a, b in zip(self._launch_times, self._launch_times[1:])]
         gaps_ms = sorted(g * 1e3 for g in gaps) or [0.0]
         busy = sum(self._busy_ms)
+        step_us = sorted(ms * 1e3 for ms in self._step_ms)
         return LoopStats(
             mode=mode,
             device=str(self.engine.device),
@@ -122,9 +136,16 @@ class IterationClock:
             tokens_per_s=tokens / self._wall if self._wall > 0 else 0.0,
             iter_ms_mean=sum(gaps_ms) / len(gaps_ms),
             iter_ms_p99=gaps_ms[min(len(gaps_ms) - 1, int(0.99 * len(gaps_ms)))],
-            cpu_sched_us_per_iter=self._sched_s / iters * 1e6,
-            gpu_step_us_per_iter=busy / len(self._busy_ms) * 1e3 if self._busy_ms else None,
+            cpu_sched_us_per_iter=sum(self._sched_s) / iters * 1e6,
+            cpu_sched_us_median=_median(self._sched_s) * 1e6,
+            gpu_step_us_per_iter=sum(step_us) / len(step_us) if step_us else None,
+            gpu_step_us_median=_median(step_us) if step_us else None,
             gpu_idle_fraction=(sum(self._gap_ms) / (sum(self._gap_ms) + busy)) if self._busy_ms else None,
             host_syncs_per_iter=syncs / iters,
             event_waits_per_iter=self._waits / iters,
         )
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else 0.0

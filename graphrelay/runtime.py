@@ -148,7 +148,14 @@ class Closeable:
 
 
 class Stream(Closeable):
-    """A non-blocking CUDA stream (cudaStreamCreateWithFlags), or a host-mode stand-in."""
+    """A non-blocking CUDA stream (cudaStreamCreateWithFlags), or a host-mode stand-in.
+
+    NOTE: torch's pinned-memory allocator records an event on every stream a pinned tensor
+    was copied on when that tensor is freed. If this stream is destroyed first, that record
+    fails and the process terminates. Where torch pinned tensors are copied on a stream that
+    lives as long as they do, wrap one of torch's pooled streams (never destroyed) with
+    `Stream.from_torch(torch.cuda.Stream())` instead.
+    """
 
     def __init__(self, device=None) -> None:
         self.device = resolve_device(device)
