@@ -217,3 +217,43 @@ def test_cli_process_without_gpu_prints_one_error_line_no_traceback():
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]  # one line
     assert "needs a CUDA device" in done.stderr
+
+
+# ---- on a GPU: the captured variants really replay the relay's work ------------------------
+
+
+@pytest.mark.gpu
+def test_captured_steps_replay_current_inputs_on_both_relays():
+    """Capture both timed bodies, change the static payload in place, replay: both relays must
+    hold the new values in the rows the last iteration wrote, and agree everywhere else."""
+    from tools.bench.timing import capture_steps
+
+    device = torch.device("cuda")
+    config = RelayConfig.eagle(max_reqs=64, max_batch=8, topk=4, hidden_size=128)
+    gen = torch.Generator().manual_seed(2)
+    relay = Relay(config, device, validate=False)
+    baseline = PerFieldRelay(config, device)
+    fill_every_row([relay, baseline], relay.fields, config.max_reqs, config.max_batch, device, gen)
+    sets = index_sets(2, 8, config.max_reqs, device, gen)
+    inputs = random_inputs(relay.fields, 8, device, gen)
+    out = relay.alloc_resolved(8)
+    replays = [capture_steps(device, relay_step(r, sets, inputs, out=o), 3) for r, o in ((relay, out), (baseline, None))]
+    fresh = random_inputs(relay.fields, 8, device, gen)
+    inputs.payload.hidden.copy_(fresh.payload.hidden)
+    inputs.seq_lens.copy_(fresh.seq_lens)
+    for replay in replays:
+        replay()
+    torch.cuda.synchronize()
+    last = sets[2 % len(sets)]
+    live = last != 0
+    assert torch.equal(relay.buffers["hidden"][last[live]], fresh.payload.hidden[live])
+    assert torch.equal(relay.buffers["seq_lens"][last[live]], fresh.seq_lens[live])
+    for name in relay.buffers:
+        assert torch.equal(relay.buffers[name][1:], baseline.buffers[name][1:]), name
+
+
+@pytest.mark.gpu
+def test_smoke_on_gpu_captures_and_writes_results(tmp_path):
+    assert bench_main(["relay", "--smoke", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "relay_bench.json").read_text())
+    assert report["environment"]["device_type"] == "cuda" and report["environment"]["l2_cache_bytes"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+
 import torch
 
 EXIT_USAGE = 2

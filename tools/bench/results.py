@@ -91,7 +91,7 @@ def environment(device: torch.device, command: list[str]) -> dict[str, Any]:
     return {
         "device": torch.cuda.get_device_name(device) if on_gpu else f"cpu ({platform.processor() or platform.machine()})",
         "device_type": device.type,
-        "l2_cache_bytes": torch.cuda.get_device_properties(device).L2_cache_size if on_gpu else None,
+        "l2_cache_bytes": getattr(torch.cuda.get_device_properties(device), "L2_cache_size", None) if on_gpu else None,
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "triton": _package_version("triton"),

@@ -85,6 +85,22 @@ def time_eager(clock: Clock, step: Step, iters: int, repeats: int) -> Sample:
     return _sample(clock, loop, iters, repeats)
 
 
+def capture_steps(device: torch.device, step: Step, count: int) -> Callable[[], None]:
+    """step(0..count-1) as one replayable callable: a CUDA graph's replay on a GPU, the plain
+    loop on CPU. The graph (and its memory pool) lives as long as the returned callable."""
+
+    def body(_bs: int) -> None:
+        for k in range(count):
+            step(k)
+
+    # GraphRunner warms up on a side stream (Triton compiles there, and any host sync in the
+    # body raises) before capturing; on CPU it captures nothing and we call the body.
+    runner = GraphRunner(body, [1], max_batch=1, device=device)
+    runner.capture()
+    graph = runner.graphs.get(1)
+    return graph.replay if graph is not None else (lambda: body(1))
+
+
 def time_captured(clock: Clock, step: Step, per_graph: int, replays: int, repeats: int) -> Sample:
     """Capture step(0..per_graph-1) as one graph, replay it `replays` times per timed loop:
     GPU µs per iteration.
@@ -94,17 +110,7 @@ def time_captured(clock: Clock, step: Step, per_graph: int, replays: int, repeat
     time the host. Inside one graph the nodes run back to back, as they would inside a whole
     captured decode step. Without CUDA (smoke) the body runs eagerly instead.
     """
-
-    def body(_bs: int) -> None:
-        for k in range(per_graph):
-            step(k)
-
-    # GraphRunner warms up on a side stream (Triton compiles there, and any host sync in the
-    # body raises) before capturing; on CPU it captures nothing and we call the body.
-    runner = GraphRunner(body, [1], max_batch=1, device=clock.device)
-    runner.capture()
-    graph = runner.graphs.get(1)
-    replay = graph.replay if graph is not None else (lambda: body(1))
+    replay = capture_steps(clock.device, step, per_graph)
     replay()  # the first launch uploads the graph: keep it out of the numbers
     clock.sync()
 
@@ -112,9 +118,7 @@ def time_captured(clock: Clock, step: Step, per_graph: int, replays: int, repeat
         for _ in range(replays):
             replay()
 
-    sample = _sample(clock, loop, replays * per_graph, repeats)
-    del runner, graph, replay  # free the graph's memory pool before the next capture
-    return sample
+    return _sample(clock, loop, replays * per_graph, repeats)
 
 
 def measure_ceilings(clock: Clock, copy_bytes: int, per_graph: int, replays: int, repeats: int) -> Ceilings:
