@@ -9,6 +9,7 @@ tests check against the slow reference model.
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Sequence
 
@@ -217,6 +218,20 @@ def composition_schedule(
         batch = rng.sample(running, min(target, len(running)))
         plans.append(StepPlan(leave, joins, batch))
     return plans
+
+
+# ---- GPU helpers ----------------------------------------------------------------------------
+
+
+@contextmanager
+def sync_debug_error():
+    """Any host sync torch sees inside raises RuntimeError (what capture would forbid)."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
 
 
 # ---- comparisons ----------------------------------------------------------------------------
