@@ -19,3 +19,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request) -> str:
+    """Run a test on the CPU (CI; Triton interpreted) and, marked `gpu`, on CUDA (real kernels)."""
+    return request.param

@@ -11,23 +11,22 @@ from capture.loop import ServingLoop
 from capture.model import ModelConfig, reference_logits
 from capture.workloads import Request, SyntheticWorkload
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MODEL = ModelConfig.preset("tiny")
 
 
-def make_engine(mode: str, max_reqs: int = 6, max_batch: int = 4, buckets=None) -> Engine:
+def make_engine(mode: str, device: str, max_reqs: int = 6, max_batch: int = 4, buckets=None) -> Engine:
     # One bucket: every mode runs every step at the same shape, so per-row results (and greedy
     # tokens) are bit-identical across modes (see README: "Where the modes may differ").
     engine = Engine(
-        MODEL, max_reqs=max_reqs, max_batch=max_batch, device=DEVICE,
+        MODEL, max_reqs=max_reqs, max_batch=max_batch, device=device,
         use_graphs=mode != "eager", buckets=buckets or [max_batch], max_top_k=64, debug=True,
     )
     engine.capture()
     return engine
 
 
-def serve(mode: str, requests, **kwargs):
-    engine = make_engine(mode, **{k: kwargs.pop(k) for k in ("max_reqs", "max_batch") if k in kwargs})
+def serve(mode: str, requests, device: str, **kwargs):
+    engine = make_engine(mode, device)
     result = ServingLoop(engine, mode).run(requests, **kwargs)
     engine.relay.check()  # debug mode: no unwritten or double-consumed row was ever read
     return result
@@ -43,10 +42,10 @@ def tokens_of(result) -> dict[str, list[int]]:
     return {rid: out.tokens for rid, out in result.outputs.items()}
 
 
-def test_greedy_tokens_match_the_slow_reference():
+def test_greedy_tokens_match_the_slow_reference(device):
     requests = workload(num_requests=5, output_len=(3, 8))
-    result = serve("overlap", requests)
-    engine_model = make_engine("eager").model
+    result = serve("overlap", requests, device)
+    engine_model = make_engine("eager", device).model
     for r in requests:
         seq = list(r.prompt)
         for token in result.outputs[r.id].tokens:
@@ -55,26 +54,26 @@ def test_greedy_tokens_match_the_slow_reference():
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
-def test_modes_produce_identical_tokens(sampling):
+def test_modes_produce_identical_tokens(sampling, device):
     extra = {} if sampling == "greedy" else dict(temperature=0.8, top_k=20)
     requests = workload(**extra)
-    results = {mode: serve(mode, requests) for mode in ("overlap", "no-overlap", "eager")}
+    results = {mode: serve(mode, requests, device) for mode in ("overlap", "no-overlap", "eager")}
     base = tokens_of(results["eager"])
     assert len(base) == len(requests)
     for mode, result in results.items():
         assert tokens_of(result) == base, f"{mode} differs from eager"
 
 
-def test_every_request_stops_exactly_at_its_stop_token_or_limit():
+def test_every_request_stops_exactly_at_its_stop_token_or_limit(device):
     # A stop token that greedy decoding actually produces: take the most common token of a run.
-    probe = serve("overlap", workload())
+    probe = serve("overlap", workload(), device)
     counts = {}
     for out in probe.outputs.values():
         for t in out.tokens[1:]:
             counts[t] = counts.get(t, 0) + 1
     stop = max(counts, key=counts.get)
     requests = workload(stop_token=stop)
-    result = serve("overlap", requests)
+    result = serve("overlap", requests, device)
     stopped = 0
     for r in requests:
         out = result.outputs[r.id]
@@ -89,20 +88,20 @@ def test_every_request_stops_exactly_at_its_stop_token_or_limit():
     assert stopped > 0
 
 
-def test_no_token_lost_or_duplicated():
+def test_no_token_lost_or_duplicated(device):
     requests = workload(num_requests=20)
-    result = serve("overlap", requests)
+    result = serve("overlap", requests, device)
     for r in requests:
         out = result.outputs[r.id]
         assert out.finish_reason == "length" and len(out.tokens) == r.max_new_tokens, r.id
     assert result.stats.tokens == sum(r.max_new_tokens for r in requests)
 
 
-def test_aborts_leave_other_requests_unchanged():
+def test_aborts_leave_other_requests_unchanged(device):
     requests = workload(num_requests=12, output_len=(10, 20))
-    base = tokens_of(serve("overlap", requests))
+    base = tokens_of(serve("overlap", requests, device))
     aborts = {"r1": 3, "r4": 5, "r11": 0}  # two mid-flight, one before admission
-    result = serve("overlap", requests, aborts=aborts)
+    result = serve("overlap", requests, device, aborts=aborts)
     for r in requests:
         out = result.outputs[r.id]
         if r.id in aborts:
@@ -112,10 +111,10 @@ def test_aborts_leave_other_requests_unchanged():
             assert out.tokens == base[r.id], r.id
 
 
-def test_soak_with_heavy_slot_churn_completes():
+def test_soak_with_heavy_slot_churn_completes(device):
     """Thousands of iterations through a 3-slot pool: slots are freed and reused constantly."""
     requests = workload(num_requests=300, output_len=(1, 24), prompt_len=(1, 6), seed=9)
-    engine = make_engine("overlap", max_reqs=3, max_batch=2)
+    engine = make_engine("overlap", device, max_reqs=3, max_batch=2)
     result = ServingLoop(engine, "overlap").run(requests)
     engine.relay.check()
     assert len(result.outputs) == len(requests)
@@ -126,7 +125,7 @@ def test_soak_with_heavy_slot_churn_completes():
 
 
 def test_bad_requests_are_rejected_with_the_request_named():
-    engine = make_engine("eager")
+    engine = make_engine("eager", "cpu")
     loop = ServingLoop(engine, "overlap")
     too_long = Request(id="long", prompt=[1] * 200, max_new_tokens=100)
     with pytest.raises(ValueError, match="'long'.*max_seq_len"):

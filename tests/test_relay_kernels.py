@@ -15,12 +15,9 @@ from relay_cases import (
     snapshot,
 )
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def run_script(backend: str, config: RelayConfig, seed: int, steps: int = 6) -> tuple[list, dict]:
+def run_script(backend: str, config: RelayConfig, seed: int, device: str, steps: int = 6) -> tuple[list, dict]:
     """Admit, stash, publish and resolve random padded buckets; return every resolve and the state."""
-    relay = Relay(config, DEVICE, backend=backend)
+    relay = Relay(config, device, backend=backend)
     gen = torch.Generator().manual_seed(seed)
     outs = []
     live = list(range(1, config.max_reqs + 1))
@@ -29,7 +26,7 @@ def run_script(backend: str, config: RelayConfig, seed: int, steps: int = 6) -> 
         bs = int(torch.randint(1, config.max_batch + 1, (1,), generator=gen))
         n = int(torch.randint(0, bs + 1, (1,), generator=gen))
         slots = torch.randperm(config.max_reqs, generator=gen)[:n].add(1).tolist()
-        idx = padded_bucket(slots, bs, gen, DEVICE)
+        idx = padded_bucket(slots, bs, gen, device)
         payload = random_payload(relay, bs, gen)
         seq_lens, confidence = random_publish(relay, bs, gen)
         if int(torch.randint(0, 2, (1,), generator=gen)):
@@ -37,17 +34,17 @@ def run_script(backend: str, config: RelayConfig, seed: int, steps: int = 6) -> 
         else:
             relay.stash(idx, payload)
             relay.publish(idx, seq_lens, confidence)
-        read = padded_bucket(torch.randperm(config.max_reqs, generator=gen)[:n].add(1).tolist(), bs, gen, DEVICE)
+        read = padded_bucket(torch.randperm(config.max_reqs, generator=gen)[:n].add(1).tolist(), bs, gen, device)
         outs.append(relay.resolve(read))
     return outs, snapshot(relay)
 
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("debug", [False, True])
-def test_triton_equals_torch_bit_for_bit(seed, debug):
+def test_triton_equals_torch_bit_for_bit(seed, debug, device):
     config = full_config(debug=debug)
-    ref_outs, ref_state = run_script("torch", config, seed)
-    tri_outs, tri_state = run_script("triton", config, seed)
+    ref_outs, ref_state = run_script("torch", config, seed, device)
+    tri_outs, tri_state = run_script("triton", config, seed, device)
     for ref, tri in zip(ref_outs, tri_outs):
         for name in ref.__struct_fields__:
             a, b = getattr(ref, name), getattr(tri, name)
@@ -59,9 +56,9 @@ def test_triton_equals_torch_bit_for_bit(seed, debug):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_float32_to_bfloat16_rounds_to_nearest_even_and_keeps_nan(backend):
+def test_float32_to_bfloat16_rounds_to_nearest_even_and_keeps_nan(backend, device):
     config = RelayConfig.plain(4, 8, hidden=FieldSpec((6,), "bfloat16"))
-    relay = Relay(config, DEVICE, backend=backend)
+    relay = Relay(config, device, backend=backend)
     relay.admit([1])
     # Values sitting exactly on and around bf16 rounding boundaries, plus specials.
     hidden = torch.tensor(
@@ -70,25 +67,25 @@ def test_float32_to_bfloat16_rounds_to_nearest_even_and_keeps_nan(backend):
     )
     payload = relay.alloc_payload(1)
     payload.tokens.fill_(3)
-    payload = type(payload)(tokens=payload.tokens.to(DEVICE), hidden=hidden.to(DEVICE))
-    relay.stash(torch.tensor([1], device=DEVICE), payload)
+    payload = type(payload)(tokens=payload.tokens.to(device), hidden=hidden.to(device))
+    relay.stash(torch.tensor([1], device=device), payload)
     expected = hidden.to(torch.bfloat16)
     assert torch.equal(bits(relay.buffers["hidden"][1].cpu()), bits(expected[0]))
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_gather_casts_into_out_dtype(backend):
+def test_gather_casts_into_out_dtype(backend, device):
     """An out= buffer of another dtype (int64 input_ids from int32 storage) gets a cast copy."""
     config = RelayConfig.plain(5, 4)
-    relay = Relay(config, DEVICE, backend=backend)
+    relay = Relay(config, device, backend=backend)
     relay.admit([2, 4])
-    idx = torch.tensor([2, 4, 0], device=DEVICE)
-    relay.stash(idx, relay.alloc_payload(3).__class__(tokens=torch.tensor([11, 22, 33], device=DEVICE)))
-    relay.publish(idx, torch.tensor([5, 6, 7], device=DEVICE))
+    idx = torch.tensor([2, 4, 0], device=device)
+    relay.stash(idx, relay.alloc_payload(3).__class__(tokens=torch.tensor([11, 22, 33], device=device)))
+    relay.publish(idx, torch.tensor([5, 6, 7], device=device))
     out = relay.alloc_resolved(4)
-    out = type(out)(tokens=torch.zeros(4, dtype=torch.int64, device=DEVICE), seq_lens=out.seq_lens)
+    out = type(out)(tokens=torch.zeros(4, dtype=torch.int64, device=device), seq_lens=out.seq_lens)
     view = out.narrow(3)
-    result = relay.resolve(torch.tensor([4, 0, 2], device=DEVICE), out=view)
+    result = relay.resolve(torch.tensor([4, 0, 2], device=device), out=view)
     assert result.tokens.data_ptr() == out.tokens.data_ptr()
     assert result.tokens.cpu().tolist() == [22, 0, 11]
     assert result.seq_lens.cpu().tolist() == [6, 1, 5]

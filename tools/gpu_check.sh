@@ -40,7 +40,7 @@ step() {  # step NAME COMMAND...: run, log to OUT/NAME.log, note the result in t
 }
 
 step gpu-tests "$py" -m pytest -q -m gpu -p no:cacheprovider --junitxml="$out/gpu-tests.xml" ${GPU_CHECK_PYTEST_ARGS:-}
-step all-tests "$py" -m pytest -q -p no:cacheprovider -m "not gpu" ${GPU_CHECK_PYTEST_ARGS:-}
+step cpu-tests env CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 "$py" -m pytest -q -p no:cacheprovider -m "not gpu" ${GPU_CHECK_PYTEST_ARGS:-}
 if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
     step bench-relay "$py" -m tools.cli bench relay --out "$out"
     step bench-loop "$py" -m tools.cli bench loop --out "$out"
