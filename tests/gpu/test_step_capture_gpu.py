@@ -78,6 +78,7 @@ def test_capture_every_bucket_under_sync_debug(twins):
     "error", and the mode is restored. If this failed, the engine would have no graph for some
     batch sizes, or its step hides a host sync that stalls every iteration."""
     graph, _ = twins
+    assert graph.stack.runner.sync_debug, "the stack must warm up under sync-debug 'error'"
     assert sorted(graph.stack.runner.graphs) == BUCKETS
     assert graph.stack.runner.report.seconds > 0
     assert torch.cuda.get_sync_debug_mode() == 0, "capture left sync-debug mode on"
