@@ -13,6 +13,7 @@ import sys
 # name -> (module with `main(argv) -> int`, one-line summary)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "relay": ("tools.bench.relay", "one relay iteration's cost for batch sizes 1..512, against its floor and a per-field baseline"),
+    "loop": ("tools.bench.loop", "the serving loop in eager, no-overlap and overlap modes: tokens/s, iteration time, GPU idle"),
 }
 
 
