@@ -8,6 +8,7 @@ tests check against the slow reference model.
 
 from __future__ import annotations
 
+import gc
 import random
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -232,6 +233,19 @@ def sync_debug_error():
         yield
     finally:
         torch.cuda.set_sync_debug_mode(previous)
+
+
+@contextmanager
+def gc_paused():
+    """Collect now, then keep Python's cyclic GC off: a collection mid-loop could free CUDA
+    tensors left in reference cycles by earlier tests and make memory_allocated() move for
+    reasons unrelated to the replays being measured."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 # ---- comparisons ----------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from capture_cases import sync_debug_error, state_differences
+from capture_cases import gc_paused, state_differences, sync_debug_error
 from graphrelay import FieldSpec, Relay, RelayPayload
 from graphrelay.fields import STASH
 from relay_cases import SOURCE_DTYPE, full_config, snapshot
@@ -146,20 +146,21 @@ def test_replays_with_mutated_inputs_equal_eager_twin(rig):
     capture), diverge from eager mode, leak memory per iteration, or read freed memory."""
     rig.sync_twin()
     rng = random.Random(0)
-    allocated = torch.cuda.memory_allocated()
-    for replay in range(REPLAYS):
-        bs = BUCKETS[replay % len(BUCKETS)]
-        rig.randomize(bs, pad_prob=rng.choice((0.0, 0.3, 0.7, 1.0)))
-        before = torch.cuda.memory_allocated()
-        rig.graphs[bs].replay()
-        assert torch.cuda.memory_allocated() == before, f"replay {replay} (bucket {bs}) allocated memory"
-        rig.ops(rig.twin, rig.twin_out, bs)
-        diffs = state_differences(outputs(rig.relay, rig.out, bs), outputs(rig.twin, rig.twin_out, bs))
-        assert not diffs, (
-            f"replay {replay}, bucket {bs}, write slots {rig.write_idx[:bs].tolist()}, read slots "
-            f"{rig.read_idx[:bs].tolist()}: graph differs from eager:\n  " + "\n  ".join(diffs))
-    torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() == allocated, "memory allocated grew across the replays"
+    with gc_paused():
+        allocated = torch.cuda.memory_allocated()
+        for replay in range(REPLAYS):
+            bs = BUCKETS[replay % len(BUCKETS)]
+            rig.randomize(bs, pad_prob=rng.choice((0.0, 0.3, 0.7, 1.0)))
+            before = torch.cuda.memory_allocated()
+            rig.graphs[bs].replay()
+            assert torch.cuda.memory_allocated() == before, f"replay {replay} (bucket {bs}) allocated memory"
+            rig.ops(rig.twin, rig.twin_out, bs)
+            diffs = state_differences(outputs(rig.relay, rig.out, bs), outputs(rig.twin, rig.twin_out, bs))
+            assert not diffs, (
+                f"replay {replay}, bucket {bs}, write slots {rig.write_idx[:bs].tolist()}, read slots "
+                f"{rig.read_idx[:bs].tolist()}: graph differs from eager:\n  " + "\n  ".join(diffs))
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == allocated, "memory allocated grew across the replays"
     moved = {k: v for k, v in rig.addresses().items() if rig.addresses_before_capture[k] != v}
     assert not moved, f"static buffers moved after capture: {sorted(moved)}"
 

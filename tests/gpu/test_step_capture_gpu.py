@@ -28,6 +28,7 @@ from capture_cases import (
     build_stack,
     close_stack,
     composition_schedule,
+    gc_paused,
     static_addresses,
     step_state,
 )
@@ -181,21 +182,22 @@ def test_memory_flat_over_1000_replays(twins):
     stack, relay = graph.stack, graph.stack.relay
     join_all([graph], range(1, MAX_REQS + 1), seed=3)
     rng = random.Random(5)
-    for chunk in range(REPLAYS // 100):
-        bucket = BUCKETS[chunk % len(BUCKETS)]
-        slots = rng.sample(range(1, MAX_REQS + 1), bucket)
-        # Rewind the requests to seq len 4 so 100 more tokens stay inside max_seq_len (256).
-        index = torch.tensor(slots, device=DEVICE)
-        relay.publish(index, torch.full((bucket,), 4, dtype=torch.int32, device=DEVICE))
-        stack.inputs.load(HostBatch(slots, [graph.params[s] for s in slots]), bucket)
-        torch.cuda.synchronize()
-        allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-        for replay in range(100):
-            assert stack.runner.run(bucket) == bucket
-            assert torch.cuda.memory_allocated() == allocated, f"bucket {bucket}, replay {replay} allocated memory"
-        torch.cuda.synchronize()
-        assert torch.cuda.memory_reserved() == reserved, f"bucket {bucket}: reserved memory grew over 100 replays"
-        assert torch.cuda.memory_allocated() == allocated, f"bucket {bucket}: allocated memory grew over 100 replays"
+    with gc_paused():
+        for chunk in range(REPLAYS // 100):
+            bucket = BUCKETS[chunk % len(BUCKETS)]
+            slots = rng.sample(range(1, MAX_REQS + 1), bucket)
+            # Rewind the requests to seq len 4 so 100 more tokens stay inside max_seq_len (256).
+            index = torch.tensor(slots, device=DEVICE)
+            relay.publish(index, torch.full((bucket,), 4, dtype=torch.int32, device=DEVICE))
+            stack.inputs.load(HostBatch(slots, [graph.params[s] for s in slots]), bucket)
+            torch.cuda.synchronize()
+            allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+            for replay in range(100):
+                assert stack.runner.run(bucket) == bucket
+                assert torch.cuda.memory_allocated() == allocated, f"bucket {bucket}, replay {replay} allocated memory"
+            torch.cuda.synchronize()
+            assert torch.cuda.memory_reserved() == reserved, f"bucket {bucket}: reserved memory grew over 100 replays"
+            assert torch.cuda.memory_allocated() == allocated, f"bucket {bucket}: allocated memory grew over 100 replays"
     # The replays really decoded: every request in the last chunk is 100 tokens further.
     assert relay.buffers["seq_lens"][index].tolist() == [104] * len(slots)
     assert_same_addresses(stack.addresses, static_addresses(stack), "after 1,000 replays")
