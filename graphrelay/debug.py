@@ -8,7 +8,8 @@ the device instead. Each slot carries a state per field group (stash, publish):
     CONSUMED   -- read once already: reading again without a new write is a bug
 
 A bad read (or an out-of-range index anywhere) records the first error in a small device
-record `[code, slot, field_id, 0]`; `Relay.check()` outside capture raises naming the slot
+record `[code, slot, field_id, 0]` (when several rows of one launch fail, the torch path keeps
+the lowest batch row's, the Triton kernel whichever program got there first); `Relay.check()` outside capture raises naming the slot
 and the field. The kernels (Triton and torch) share these codes.
 """
 

@@ -82,13 +82,16 @@ def _mirror_write_kernel(
     CONF_WIDTH: tl.constexpr,
     CONF_BLOCK: tl.constexpr,
     BLOCK: tl.constexpr,
+    MAX_BATCH: tl.constexpr,
 ):
     # NOTE: one program only. It reads the counter, writes every row, then bumps the counter;
     # with several programs one could bump it before another had read it.
     iteration = tl.load(counter_ptr)
     ring_slot = iteration % depth
     base = ring_slot * max_batch
-    for start in range(0, bs, BLOCK):
+    # A static loop over the largest bucket, masked to bs: Triton 3.6's interpreter cannot loop
+    # over a runtime bound, and this keeps one compiled kernel per relay config.
+    for start in tl.static_range(0, MAX_BATCH, BLOCK):
         rows = start + tl.arange(0, BLOCK)  # [BLOCK]
         live = rows < bs
         slot = tl.load(indices_ptr + rows, mask=live, other=0)
@@ -155,4 +158,5 @@ def write_ring_triton(
         CONF_WIDTH=conf_width,
         CONF_BLOCK=triton.next_power_of_2(conf_width),
         BLOCK=min(triton.next_power_of_2(max_batch), 128),
+        MAX_BATCH=max_batch,
     )

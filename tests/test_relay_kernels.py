@@ -51,6 +51,9 @@ def test_triton_equals_torch_bit_for_bit(seed, debug, device):
             assert (a is None) == (b is None)
             if a is not None:
                 assert a.dtype == b.dtype and torch.equal(bits(a), bits(b)), name
+    # Which bad row's error is kept when several rows of one launch fail is unspecified on the
+    # GPU (programs race for the record); the error code must agree.
+    assert ref_state.pop("_error")[0] == tri_state.pop("_error")[0]
     for name in ref_state:
         assert torch.equal(bits(ref_state[name]), bits(tri_state[name])), name
 

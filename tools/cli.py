@@ -6,6 +6,7 @@ Each subcommand lives with the code it drives and is imported only when asked fo
 
 from __future__ import annotations
 
+import os
 import sys
 
 USAGE = """usage: graphrelay {serve,lint,bench} [ARGS]
@@ -28,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve_main(rest)
     if command == "lint":
+        # The linter runs steps on CPU tensors: Triton kernels must run in its interpreter,
+        # which is chosen when the kernels are defined, so before graphrelay is imported.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
         from graphrelay.lint.cli import lint_main
 
         return lint_main(rest)
