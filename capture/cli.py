@@ -120,7 +120,8 @@ def format_summary(result: LoopResult, capture_s: float, graph_bytes: int) -> st
         ("iterations", f"{s.iterations}: mean {s.iter_ms_mean:.3f} ms, p99 {s.iter_ms_p99:.3f} ms"),
         ("CPU scheduling", f"mean {s.cpu_sched_us_per_iter:.1f} us, median {s.cpu_sched_us_median:.1f} us per iteration"),
         ("GPU step", "n/a (CPU)" if s.gpu_step_us_per_iter is None
-         else f"mean {s.gpu_step_us_per_iter:.1f} us, median {s.gpu_step_us_median:.1f} us per iteration"),
+         else f"mean {s.gpu_step_us_per_iter:.1f} us, median {s.gpu_step_us_median:.1f} us per iteration "
+              f"(with prefills: {s.gpu_busy_us_per_iter:.1f} us)"),
         ("GPU idle", "n/a (CPU)" if s.gpu_idle_fraction is None else f"{100 * s.gpu_idle_fraction:.1f}% of the time between iterations"),
         ("host syncs", f"{s.host_syncs_per_iter:.3f} per iteration"),
         ("blocking waits", f"{s.event_waits_per_iter:.3f} per iteration (for an older iteration's results)"),

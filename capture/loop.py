@@ -145,7 +145,7 @@ class _Run:
             self._flush_first_tokens(block=False)
             self._release_slots()
             self.turns += 1
-            self.clock.turn_end()
+            self.clock.turn_end(launched)
             if self.progress is not None:
                 self.clock.report(self.progress, len(self.live), len(self.outputs), len(self.pending))
         self.clock.finish()

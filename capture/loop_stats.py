@@ -34,10 +34,11 @@ class LoopStats(msgspec.Struct):
     tokens_per_s: float
     iter_ms_mean: float  # host time between successive launches
     iter_ms_p99: float
-    cpu_sched_us_per_iter: float  # host time per turn not spent waiting for the device
+    cpu_sched_us_per_iter: float  # host time per launching turn not spent waiting for the device
     cpu_sched_us_median: float
     gpu_step_us_per_iter: Optional[float]  # GPU time of one decode iteration (graph or eager), GPU only
     gpu_step_us_median: Optional[float]
+    gpu_busy_us_per_iter: Optional[float]  # GPU time per iteration including that turn's prefills
     gpu_idle_fraction: Optional[float]  # GPU idle between iterations / total span, GPU only
     host_syncs_per_iter: float  # synchronizing torch ops (counted by torch's sync debug mode)
     event_waits_per_iter: float  # blocking waits for an iteration's results
@@ -72,8 +73,10 @@ class IterationClock:
             # Re-recorded every turn until a launch claims it for iteration `iterations_launched`.
             self._mark(self.engine.iterations_launched, _TURN)
 
-    def turn_end(self) -> None:
-        self._sched_s.append(time.perf_counter() - self._turn_t - self._turn_wait)
+    def turn_end(self, launched: bool) -> None:
+        # Only turns that launched count: the drain at the end schedules nothing.
+        if launched:
+            self._sched_s.append(time.perf_counter() - self._turn_t - self._turn_wait)
 
     def launch_start(self) -> None:
         self._launch_times.append(time.perf_counter())
@@ -136,10 +139,11 @@ class IterationClock:
             tokens_per_s=tokens / self._wall if self._wall > 0 else 0.0,
             iter_ms_mean=sum(gaps_ms) / len(gaps_ms),
             iter_ms_p99=gaps_ms[min(len(gaps_ms) - 1, int(0.99 * len(gaps_ms)))],
-            cpu_sched_us_per_iter=sum(self._sched_s) / iters * 1e6,
+            cpu_sched_us_per_iter=sum(self._sched_s) / max(1, len(self._sched_s)) * 1e6,
             cpu_sched_us_median=_median(self._sched_s) * 1e6,
             gpu_step_us_per_iter=sum(step_us) / len(step_us) if step_us else None,
             gpu_step_us_median=_median(step_us) if step_us else None,
+            gpu_busy_us_per_iter=busy / len(self._busy_ms) * 1e3 if self._busy_ms else None,
             gpu_idle_fraction=(sum(self._gap_ms) / (sum(self._gap_ms) + busy)) if self._busy_ms else None,
             host_syncs_per_iter=syncs / iters,
             event_waits_per_iter=self._waits / iters,

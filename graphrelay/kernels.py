@@ -1,8 +1,10 @@
 """Fused Triton kernels: one launch gathers every field, one launch scatters any set of them.
 
-Both kernels walk the relay's field table as tuples of tensors: the grid is
-`(batch rows, fields)`, and program `(i, f)` copies field `f`'s row for batch row `i`
-(in chunks of BLOCKS[f] elements), casting to the destination dtype on store.
+Both kernels walk the relay's field table as tuples of tensors. The grid is
+`(batch rows, chunks)`: each field's row is split into chunks of BLOCKS[f] elements (at most
+`CHUNK_BYTES`), and program `(i, c)` copies one chunk of one field for batch row `i`, casting
+to the destination dtype on store. Wide fields (hidden states) thus spread over several
+programs instead of one program looping, which is what a batch of 1 needs to be fast.
 Slot 0 is the padding row: gathers read it (it holds the fill values), scatters to it are
 dropped, so no padded batch row can change rows 1..max_reqs. An out-of-range index is clamped
 to row 0 (and recorded in debug mode) rather than touching memory outside the buffers.
@@ -48,13 +50,21 @@ def _to_dtype(v, ty: tl.constexpr):
 
 
 @triton.jit
-def _copy_row(src, src_row, dst, dst_row, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
-    """dst[dst_row, :WIDTH] = src[src_row, :WIDTH] (row-major, contiguous rows)."""
-    offs = tl.arange(0, BLOCK)
-    for start in tl.static_range(0, WIDTH, BLOCK):
-        mask = start + offs < WIDTH
-        v = tl.load(src + src_row * WIDTH + start + offs, mask=mask)
-        tl.store(dst + dst_row * WIDTH + start + offs, _to_dtype(v, dst.dtype.element_ty), mask=mask)
+def _copy_chunk(src, src_row, dst, dst_row, chunk, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    """dst[dst_row, chunk*BLOCK : ...] = src[src_row, same] (row-major rows of WIDTH elements)."""
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < WIDTH
+    v = tl.load(src + src_row * WIDTH + offs, mask=mask)
+    tl.store(dst + dst_row * WIDTH + offs, _to_dtype(v, dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _copy_fields(srcs, src_row, dsts, dst_row, c, WIDTHS: tl.constexpr, BLOCKS: tl.constexpr, STARTS: tl.constexpr):
+    """Program column `c` copies one chunk of one field: field f owns columns
+    STARTS[f] .. STARTS[f + 1] - 1, one per BLOCKS[f] elements of its row."""
+    for f in tl.static_range(len(WIDTHS)):
+        if (c >= STARTS[f]) & (c < STARTS[f + 1]):
+            _copy_chunk(srcs[f], src_row, dsts[f], dst_row, c - STARTS[f], WIDTHS[f], BLOCKS[f])
 
 
 @triton.jit
@@ -96,18 +106,17 @@ def gather_kernel(
     max_reqs,
     WIDTHS: tl.constexpr,
     BLOCKS: tl.constexpr,
+    STARTS: tl.constexpr,  # first chunk column of each field, then the total
     PUBLISH_FIELD_ID: tl.constexpr,  # error attribution for the publish group
     DEBUG: tl.constexpr,
 ):
     i = tl.program_id(0)
-    f = tl.program_id(1)
-    slot = _load_slot(idx_ptr, i, f, max_reqs, err_ptr, DEBUG)
-    for j in tl.static_range(len(WIDTHS)):
-        if f == j:
-            _copy_row(bufs[j], slot, outs[j], i, WIDTHS[j], BLOCKS[j])
+    c = tl.program_id(1)
+    slot = _load_slot(idx_ptr, i, c, max_reqs, err_ptr, DEBUG)
+    _copy_fields(bufs, slot, outs, i, c, WIDTHS, BLOCKS, STARTS)
     if DEBUG:
         # One program per batch row owns the consume-once bookkeeping; padding is exempt.
-        if (f == 0) & (slot != 0):
+        if (c == 0) & (slot != 0):
             _consume(state_ptr, err_ptr, slot, 0, 0)
             _consume(state_ptr, err_ptr, slot, 1, PUBLISH_FIELD_ID)
 
@@ -122,22 +131,37 @@ def scatter_kernel(
     max_reqs,
     WIDTHS: tl.constexpr,
     BLOCKS: tl.constexpr,
+    STARTS: tl.constexpr,
     GROUPS: tl.constexpr,  # tuple of groups this launch writes (0 stash, 1 publish)
     DEBUG: tl.constexpr,
 ):
     i = tl.program_id(0)
-    f = tl.program_id(1)
-    slot = _load_slot(idx_ptr, i, f, max_reqs, err_ptr, DEBUG)
+    c = tl.program_id(1)
+    slot = _load_slot(idx_ptr, i, c, max_reqs, err_ptr, DEBUG)
     if slot != 0:  # writes to padding row 0 are dropped: it must keep its fill values
-        for j in tl.static_range(len(WIDTHS)):
-            if f == j:
-                _copy_row(srcs[j], i, bufs[j], slot, WIDTHS[j], BLOCKS[j])
+        _copy_fields(srcs, i, bufs, slot, c, WIDTHS, BLOCKS, STARTS)
         if DEBUG:
-            if f == 0:
+            if c == 0:
                 for g in tl.static_range(len(GROUPS)):
                     tl.store(state_ptr + slot * 2 + GROUPS[g], _FRESH)
 
 
-def block_for(width: int) -> int:
-    """Elements a program copies per step: the row, up to 2048 (16 KiB of fp64-sized data)."""
-    return min(triton.next_power_of_2(width), 2048)
+CHUNK_BYTES = 2048  # per program: a wide row spreads over programs, a narrow one is one chunk
+
+
+class Layout(tuple):
+    """(WIDTHS, BLOCKS, STARTS) constexpr tuples for a list of (width, itemsize) fields, and the
+    grid's chunk count `STARTS[-1]`."""
+
+    @classmethod
+    def of(cls, fields: list[tuple[int, int]]) -> "Layout":
+        widths = tuple(w for w, _ in fields)
+        blocks = tuple(min(triton.next_power_of_2(w), max(1, CHUNK_BYTES // size)) for w, size in fields)
+        starts = [0]
+        for w, b in zip(widths, blocks):
+            starts.append(starts[-1] + triton.cdiv(w, b))
+        return cls((widths, blocks, tuple(starts)))
+
+    @property
+    def chunks(self) -> int:
+        return self[2][-1]

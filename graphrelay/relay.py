@@ -17,6 +17,11 @@ from graphrelay.config import RelayConfig
 from graphrelay.fields import PUBLISH, STASH, Field, RelayPayload, Resolved, allocate, relay_fields
 
 BACKENDS = ("triton", "torch")
+_GROUP_IDS = {STASH: 0, PUBLISH: 1}
+
+
+def _layout(fields) -> kernels.Layout:
+    return kernels.Layout.of([(f.width, f.dtype.itemsize) for f in fields])
 
 
 class Relay:
@@ -41,6 +46,12 @@ class Relay:
         self.fields: tuple[Field, ...] = relay_fields(config)
         self._by_name = {f.name: f for f in self.fields}
         self._publish_field_id = next(i for i, f in enumerate(self.fields) if f.group == PUBLISH)
+        # Kernel layouts (chunks per field) for the gather and each scatter group set.
+        self._gather_layout = _layout(self.fields)
+        self._scatter_layouts = {
+            groups: _layout([f for f in self.fields if _GROUP_IDS[f.group] in groups])
+            for groups in ((0,), (1,), (0, 1))
+        }
 
         rows = config.rows
         self.buffers: dict[str, torch.Tensor] = {}
@@ -95,10 +106,10 @@ class Relay:
         if self.backend == "torch":
             reference.gather(indices, bufs, outs, self._state, self._error, self.config.max_reqs, self._publish_field_id, self.debug)
         else:
-            kernels.gather_kernel[(bs, len(bufs))](
+            widths, blocks, starts = self._gather_layout
+            kernels.gather_kernel[(bs, self._gather_layout.chunks)](
                 indices, bufs, outs, self._state, self._error, self.config.max_reqs,
-                WIDTHS=tuple(f.width for f in self.fields),
-                BLOCKS=tuple(kernels.block_for(f.width) for f in self.fields),
+                WIDTHS=widths, BLOCKS=blocks, STARTS=starts,
                 PUBLISH_FIELD_ID=self._publish_field_id,
                 DEBUG=self.debug,
             )
@@ -194,10 +205,11 @@ class Relay:
         if self.backend == "torch":
             reference.scatter(indices, srcs, bufs, groups, self._state, self._error, self.config.max_reqs, self.debug)
         else:
-            kernels.scatter_kernel[(indices.shape[0], len(values))](
+            layout = self._scatter_layouts[groups]
+            widths, blocks, starts = layout
+            kernels.scatter_kernel[(indices.shape[0], layout.chunks)](
                 indices, srcs, bufs, self._state, self._error, self.config.max_reqs,
-                WIDTHS=tuple(f.width for f, _ in values),
-                BLOCKS=tuple(kernels.block_for(f.width) for f, _ in values),
+                WIDTHS=widths, BLOCKS=blocks, STARTS=starts,
                 GROUPS=groups,
                 DEBUG=self.debug,
             )
