@@ -32,7 +32,7 @@ class LoopStats(msgspec.Struct):
     iterations: int
     wall_s: float
     tokens_per_s: float
-    iter_ms_mean: float  # host time between successive launches
+    iter_ms_mean: float  # host time from one launching turn's start to the next
     iter_ms_p99: float
     cpu_sched_us_per_iter: float  # host time per launching turn not spent waiting for the device
     cpu_sched_us_median: float
@@ -79,7 +79,9 @@ class IterationClock:
             self._sched_s.append(time.perf_counter() - self._turn_t - self._turn_wait)
 
     def launch_start(self) -> None:
-        self._launch_times.append(time.perf_counter())
+        # An iteration spans its whole turn (prefills included), so its interval is measured
+        # turn start to turn start, like its CPU time and its GPU busy time.
+        self._launch_times.append(self._turn_t)
         if self.on_gpu:
             self._mark(self.engine.iterations_launched, _LAUNCH)
 
