@@ -1,0 +1,57 @@
+"""`graphrelay serve`: the main job runs on its default, writes JSON, and reports bad input
+in one line naming the problem (and the file line), with no traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from capture.cli import serve_main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_serve_small_workload_prints_summary_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "serve.json"
+    assert serve_main(["--device", "cpu", "--quiet", "--num-requests", "6", "--output-len", "2,5", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for label in ("requests", "tokens/s", "p99", "host syncs", "GPU idle"):
+        assert label in printed, label
+    report = json.loads(out.read_text())
+    assert report["stats"]["requests"] == 6 and len(report["outputs"]) == 6
+    assert report["stats"]["tokens"] == sum(len(o["tokens"]) for o in report["outputs"])
+    assert all(2 <= len(o["tokens"]) <= 5 for o in report["outputs"])
+
+
+def test_request_file_errors_name_the_line(tmp_path, capsys):
+    path = tmp_path / "requests.jsonl"
+    path.write_text('{"prompt": [1, 2], "max_new_tokens": 3}\n\n{"prompt": [1], "max_new_tokens": "many"}\n')
+    assert serve_main(["--device", "cpu", "--quiet", "--requests", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:3" in err and "max_new_tokens" in err
+    assert serve_main(["--device", "cpu", "--quiet", "--requests", str(tmp_path / "missing.jsonl")]) == 2
+    assert "cannot read request file" in capsys.readouterr().err
+
+
+def test_request_file_runs(tmp_path, capsys):
+    path = tmp_path / "requests.jsonl"
+    path.write_text('{"id": "a", "prompt": [5, 6, 7], "max_new_tokens": 4}\n{"prompt": [9], "max_new_tokens": 2, "stop_token": 3}\n')
+    out = tmp_path / "out.json"
+    assert serve_main(["--device", "cpu", "--quiet", "--requests", str(path), "--json", str(out)]) == 0
+    outputs = {o["id"]: o for o in json.loads(out.read_text())["outputs"]}
+    assert set(outputs) == {"a", "2"} and len(outputs["a"]["tokens"]) == 4
+
+
+def test_bad_arguments_exit_2_without_traceback():
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    for args in (["--mode", "fast"], ["--prompt-len", "9,2"], ["--buckets", "0,4"]):
+        done = subprocess.run([sys.executable, "-m", "tools.cli", "serve", *args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, args
+        assert "Traceback" not in done.stderr and "error:" in done.stderr, args
+    done = subprocess.run([sys.executable, "-m", "tools.cli", "serve", "--device", "cuda"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "no GPU" in done.stderr and "Traceback" not in done.stderr
