@@ -7,6 +7,7 @@ naming the field and the fix. It loads from JSON or TOML through msgspec.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Optional
@@ -50,10 +51,7 @@ class FieldSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 # Optional fields, grouped by which op writes them. `stash` carries the sampled tokens and the

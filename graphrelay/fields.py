@@ -8,6 +8,7 @@ fields (seq lens, then confidence). The kernels walk this table; `RelayPayload` 
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import msgspec
@@ -31,10 +32,7 @@ class Field(msgspec.Struct, frozen=True):
     @property
     def width(self) -> int:
         """Elements per slot row."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def is_float(self) -> bool:
