@@ -20,8 +20,7 @@ BACKENDS = ("triton", "torch")
 _GROUP_IDS = {STASH: 0, PUBLISH: 1}
 
 
-def _layout(fields) -> kernels.Layout:
-    return kernels.Layout.of([(f.width, f.dtype.itemsize) for f in fields])
+_SCATTER_GROUPS = ((0,), (1,), (0, 1))  # stash, publish, both
 
 
 class Relay:
@@ -46,12 +45,12 @@ class Relay:
         self.fields: tuple[Field, ...] = relay_fields(config)
         self._by_name = {f.name: f for f in self.fields}
         self._publish_field_id = next(i for i, f in enumerate(self.fields) if f.group == PUBLISH)
-        # Kernel layouts (chunks per field) for the gather and each scatter group set.
-        self._gather_layout = _layout(self.fields)
-        self._scatter_layouts = {
-            groups: _layout([f for f in self.fields if _GROUP_IDS[f.group] in groups])
-            for groups in ((0,), (1,), (0, 1))
-        }
+        # Kernel layouts (chunks per field), keyed by (groups, chunk bytes); None = the gather.
+        self._layouts: dict[tuple, kernels.Layout] = {}
+        for max_bytes in {kernels.chunk_bytes(1), kernels.chunk_bytes(config.max_batch)}:
+            for groups in (None, *_SCATTER_GROUPS):
+                fields = [f for f in self.fields if groups is None or _GROUP_IDS[f.group] in groups]
+                self._layouts[groups, max_bytes] = kernels.Layout.of([(f.width, f.dtype.itemsize) for f in fields], max_bytes)
 
         rows = config.rows
         self.buffers: dict[str, torch.Tensor] = {}
@@ -106,12 +105,14 @@ class Relay:
         if self.backend == "torch":
             reference.gather(indices, bufs, outs, self._state, self._error, self.config.max_reqs, self._publish_field_id, self.debug)
         else:
-            widths, blocks, starts = self._gather_layout
-            kernels.gather_kernel[(bs, self._gather_layout.chunks)](
+            layout = self._layouts[None, kernels.chunk_bytes(bs)]
+            widths, blocks, starts = layout
+            kernels.gather_kernel[(bs, layout.chunks)](
                 indices, bufs, outs, self._state, self._error, self.config.max_reqs,
                 WIDTHS=widths, BLOCKS=blocks, STARTS=starts,
                 PUBLISH_FIELD_ID=self._publish_field_id,
                 DEBUG=self.debug,
+                num_warps=kernels.NUM_WARPS,
             )
         return out
 
@@ -205,11 +206,12 @@ class Relay:
         if self.backend == "torch":
             reference.scatter(indices, srcs, bufs, groups, self._state, self._error, self.config.max_reqs, self.debug)
         else:
-            layout = self._scatter_layouts[groups]
+            layout = self._layouts[groups, kernels.chunk_bytes(indices.shape[0])]
             widths, blocks, starts = layout
             kernels.scatter_kernel[(indices.shape[0], layout.chunks)](
                 indices, srcs, bufs, self._state, self._error, self.config.max_reqs,
                 WIDTHS=widths, BLOCKS=blocks, STARTS=starts,
                 GROUPS=groups,
                 DEBUG=self.debug,
+                num_warps=kernels.NUM_WARPS,
             )
