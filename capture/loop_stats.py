@@ -33,6 +33,7 @@ class LoopStats(msgspec.Struct):
     wall_s: float
     tokens_per_s: float
     iter_ms_mean: float  # host time from one launching turn's start to the next
+    iter_ms_median: float
     iter_ms_p99: float
     cpu_sched_us_per_iter: float  # host time per launching turn not spent waiting for the device
     cpu_sched_us_median: float
@@ -140,6 +141,7 @@ class IterationClock:
             wall_s=self._wall,
             tokens_per_s=tokens / self._wall if self._wall > 0 else 0.0,
             iter_ms_mean=sum(gaps_ms) / len(gaps_ms),
+            iter_ms_median=_median(gaps_ms),
             iter_ms_p99=gaps_ms[min(len(gaps_ms) - 1, int(0.99 * len(gaps_ms)))],
             cpu_sched_us_per_iter=sum(self._sched_s) / max(1, len(self._sched_s)) * 1e6,
             cpu_sched_us_median=_median(self._sched_s) * 1e6,
