@@ -21,7 +21,7 @@ from capture.step import DecodeStep
 from capture.surface import DecodeInputs, HostBatch
 from graphrelay import Relay, RelayConfig, RelayPayload
 from graphrelay.mirror import HostMirror, MirrorRead
-from graphrelay.runtime import Event, Stream
+from graphrelay.runtime import Event, Stream, to_device_async
 
 
 class Engine:
@@ -99,8 +99,8 @@ class Engine:
         logits = self.model.prefill(slot, torch.tensor(prompt, dtype=torch.int64))
         length = len(prompt)
         host = torch.tensor([[slot, params.top_k, params.seed, length, length]], dtype=torch.int64)
-        dev = _to_device(host, self.device)[0]  # [slot, top_k, seed, step, seq_len]
-        temperature = _to_device(torch.tensor([params.temperature], dtype=torch.float32), self.device)
+        dev = to_device_async(host, self.device)[0]  # [slot, top_k, seed, step, seq_len]
+        temperature = to_device_async(torch.tensor([params.temperature], dtype=torch.float32), self.device)
         # Position `length` is the step a decode at this position would use: prefill samples the
         # token at position L-1's output, so it uses step L-1 and decode steps follow on.
         token = sample(logits[None], temperature, dev[1:2], dev[2:3], dev[3:4] - 1, max_top_k=self.max_top_k)
@@ -136,10 +136,3 @@ class Engine:
         if block:
             return self.mirror.wait(iteration, self.relay.host_generation)
         return self.mirror.poll(iteration, self.relay.host_generation)
-
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host -> device through pinned memory, non-blocking (a pageable copy would wait for the
-    stream's queued work); torch's pinned allocator keeps the block alive until the copy ran."""
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)

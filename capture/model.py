@@ -25,6 +25,7 @@ import torch
 
 from capture.kv_cache import KVCache
 from graphrelay.config import DTYPES
+from graphrelay.runtime import to_device_async
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -213,10 +214,10 @@ class LlamaModel:
                 f"prefill token_ids length {length} must be in 1..max_seq_len ({c.max_seq_len})"
             )
         # Checked on the host when the prompt comes from the host (no sync), then staged
-        # through pinned memory: a pageable copy would wait for the stream's queued work.
+        # through pinned memory (no wait for the stream's queued work).
         self._check_range("token_ids", token_ids, c.vocab_size)
-        if token_ids.device.type == "cpu" and self.device.type == "cuda":
-            token_ids = token_ids.to(torch.int64).pin_memory().to(self.device, non_blocking=True)
+        if token_ids.device.type == "cpu":
+            token_ids = to_device_async(token_ids.to(torch.int64), self.device)
         else:
             token_ids = token_ids.to(self.device, torch.int64)
         positions = self.cache_positions[:length]  # [L]

@@ -15,6 +15,7 @@ import torch
 from graphrelay import debug, kernels, reference, validation
 from graphrelay.config import RelayConfig
 from graphrelay.fields import PUBLISH, STASH, Field, RelayPayload, Resolved, allocate, relay_fields
+from graphrelay.runtime import to_device_async
 
 BACKENDS = ("triton", "torch")
 _GROUP_IDS = {STASH: 0, PUBLISH: 1}
@@ -134,9 +135,7 @@ class Relay:
             raise ValueError("admit: a slot appears more than once; admit each slot once")
         host = torch.tensor(values, dtype=torch.int64)
         self.host_generation[host] += 1
-        # Pinned + non_blocking: no stream sync; torch's pinned allocator keeps the staging
-        # block alive until the copy has run.
-        dev = host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+        dev = to_device_async(host, self.device)
         self.generation.index_add_(0, dev, torch.ones_like(dev))
         self._state.index_fill_(0, dev, debug.UNWRITTEN)
 

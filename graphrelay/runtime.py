@@ -367,3 +367,15 @@ class PinnedRing(Closeable):
             ) from None
         raw = torch.as_tensor(_CudaArray(self._memory, offset, nbytes), device=self.device)
         return raw.view(dtype).view(shape)
+
+
+def to_device_async(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a host tensor to `device` without waiting for the stream's queued work.
+
+    NOTE: a copy from pageable memory first waits for the stream to drain (a host sync in an
+    overlap loop); staging through pinned memory avoids it, and torch's pinned allocator keeps
+    the block alive until the copy has run. On the CPU the tensor is returned as is.
+    """
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
