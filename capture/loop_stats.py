@@ -1,12 +1,13 @@
 """What a serving run measures: iteration times on the host, GPU busy/idle time between
 iterations from timing events, CPU scheduling time, and blocking waits.
 
-GPU timing uses a small pool of cuda-python timing events, one set per in-flight iteration:
-`turn` when the turn begins (before prefills, so their GPU time counts as busy), `launch`
-just before the iteration's inputs are copied in, `end` right after its launch. The decode
-step's GPU time is launch -> end; the GPU sat idle from one iteration's `end` to the next
-turn's `turn` mark, when nothing was queued. Sets are read back with their iteration, so
-timing never adds a wait of its own.
+GPU timing uses a small pool of cuda-python timing events, one set per in-flight decode
+iteration: `turn` when the turn begins (before its prefill iteration, so prefill GPU time
+counts as busy), `launch` just before the decode iteration's inputs are copied in, `end`
+right after its launch. The decode step's GPU time is launch -> end; the GPU sat idle from
+one decode iteration's `end` to the next turn's `turn` mark, when nothing was queued. Sets
+are read back with their iteration, so timing never adds a wait of its own. Prefill
+iterations share the numbering but carry no set of their own.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class LoopStats(msgspec.Struct):
     gpu_idle_fraction: Optional[float]  # GPU idle between iterations / total span, GPU only
     host_syncs_per_iter: float  # synchronizing torch ops (counted by torch's sync debug mode)
     event_waits_per_iter: float  # blocking waits for an iteration's results
+    tokens_per_request_step: float  # tokens a request gains per decode iteration: 1, or the
+    # mean accepted length (accepted drafts + 1) with speculative decoding
 
 
 class IterationClock:
@@ -58,7 +61,9 @@ class IterationClock:
         self._sched_s: list[float] = []
         self._wait_s = 0.0
         self._waits = 0
-        self._last_done: Optional[int] = None
+        self._last_done: Optional[int] = None  # timing set of the last decode iteration read back
+        self._sets_of: dict[int, int] = {}  # decode iteration -> its timing set
+        self._launches = 0
         self._last_progress = 0.0
 
     def begin(self) -> None:
@@ -71,8 +76,8 @@ class IterationClock:
         self._turn_t = time.perf_counter()
         self._turn_wait = 0.0
         if self.on_gpu:
-            # Re-recorded every turn until a launch claims it for iteration `iterations_launched`.
-            self._mark(self.engine.iterations_launched, _TURN)
+            # Re-recorded every turn until a decode launch claims the set.
+            self._mark(self._launches % _SETS, _TURN)
 
     def turn_end(self, launched: bool) -> None:
         # Only turns that launched count: the drain at the end schedules nothing.
@@ -84,14 +89,16 @@ class IterationClock:
         # turn start to turn start, like its CPU time and its GPU busy time.
         self._launch_times.append(self._turn_t)
         if self.on_gpu:
-            self._mark(self.engine.iterations_launched, _LAUNCH)
+            self._mark(self._launches % _SETS, _LAUNCH)
 
     def launch_end(self, iteration: int) -> None:
+        self._sets_of[iteration] = self._launches % _SETS
         if self.on_gpu:
-            self._mark(iteration, _END)
+            self._mark(self._sets_of[iteration], _END)
+        self._launches += 1
 
-    def _mark(self, iteration: int, which: int) -> None:
-        self._sets[iteration % _SETS][which].record(self.engine.stream)
+    def _mark(self, which_set: int, which: int) -> None:
+        self._sets[which_set][which].record(self.engine.stream)
 
     def wait(self, fn):
         """Run a blocking `fn`, counting it as a wait for the device."""
@@ -105,16 +112,18 @@ class IterationClock:
             self._waits += 1
 
     def iteration_done(self, iteration: int) -> None:
-        if not self.on_gpu:
+        """Read back a decode iteration's timing (prefill iterations have none)."""
+        which = self._sets_of.pop(iteration, None)
+        if which is None or not self.on_gpu:
             return
-        marks = self._sets[iteration % _SETS]
+        marks = self._sets[which]
         marks[_END].synchronize()  # recorded just after the mirror's event, which fired: no real wait
         self._step_ms.append(marks[_LAUNCH].elapsed_ms(marks[_END]))
         self._busy_ms.append(marks[_TURN].elapsed_ms(marks[_END]))
-        if self._last_done == iteration - 1:
-            previous_end = self._sets[(iteration - 1) % _SETS][_END]
+        if self._last_done is not None and self._last_done == (which - 1) % _SETS:
+            previous_end = self._sets[self._last_done][_END]
             self._gap_ms.append(max(0.0, previous_end.elapsed_ms(marks[_TURN])))
-        self._last_done = iteration
+        self._last_done = which
 
     def finish(self) -> None:
         self._wall = time.perf_counter() - self._t0
@@ -125,7 +134,7 @@ class IterationClock:
             self._last_progress = now
             progress({"iterations": len(self._launch_times), "running": running, "done": done, "pending": pending, "elapsed_s": now - self._t0})
 
-    def stats(self, mode: str, requests: int, tokens: int, syncs: int) -> LoopStats:
+    def stats(self, mode: str, requests: int, tokens: int, syncs: int, tokens_per_request_step: float) -> LoopStats:
         iters = max(1, len(self._launch_times))
         gaps = [b - a for a, b in zip(self._launch_times, self._launch_times[1:])]
         gaps_ms = sorted(g * 1e3 for g in gaps) or [0.0]
@@ -151,6 +160,7 @@ class IterationClock:
             gpu_idle_fraction=(sum(self._gap_ms) / (sum(self._gap_ms) + busy)) if self._busy_ms else None,
             host_syncs_per_iter=syncs / iters,
             event_waits_per_iter=self._waits / iters,
+            tokens_per_request_step=tokens_per_request_step,
         )
 
 

@@ -1,10 +1,14 @@
-"""A small Llama-style decoder with seeded random weights and a static KV cache.
+"""A Llama-family decoder (real weights from a GGUF, or seeded random ones) and its static
+`[slot, position]` KV cache.
 
-Two paths share one layer stack:
+Two paths share one layer stack (GEMMs in torch, the rest in fused kernels on CUDA with torch
+twins on the CPU: `capture.layer_kernels`, `capture.attention`):
 
-- `prefill(slot, token_ids)`: eager, one request, writes `cache[slot, 0:L]`.
+- `prefill(slots, chunks, starts)`: eager, a batch of prompt chunks in one forward (padded to
+  the longest), each writing `cache[slot, start : start + len]`.
 - `decode(tokens, slots, seq_lens)`: one token per row, every op fixed-shape in the bucket
   size `bs`, no host syncs, nothing sized by data: it can be captured in a CUDA graph.
+  Attention reads the cache in place up to each row's position.
 
 Seq-len convention: `seq_lens[i]` is the number of tokens already cached for slot i, which is
 also the position of row i's input token. A decode step writes K/V at `[slot, seq_len]`,
@@ -17,12 +21,14 @@ Slot 0 is the padding slot: padded rows (slot 0, any in-range seq len) only touc
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, fields
+from typing import Callable, Sequence
 
 import msgspec
 import torch
 
+from capture import attention
+from capture import layer_kernels as kernels
 from capture.kv_cache import KVCache
 from graphrelay.config import DTYPES
 from graphrelay.runtime import to_device_async
@@ -104,6 +110,13 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         vocab_size=32000, hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=8,
         intermediate_size=5632, max_seq_len=2048, dtype="bfloat16",
     ),
+    # SmolLM2-135M's architecture: its real weights come from a GGUF (capture.checkpoint);
+    # with random weights it is the benchmarks' stand-in when the file is absent.
+    "smollm2-135m": ModelConfig(
+        vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
+        intermediate_size=1536, max_seq_len=2048, rope_theta=100000.0, rms_eps=1e-5,
+        dtype="bfloat16", tie_word_embeddings=True,
+    ),
 }
 
 
@@ -115,6 +128,77 @@ class LayerWeights:
     mlp_norm: torch.Tensor  # [hidden]
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
     down: torch.Tensor  # [hidden, intermediate]
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> "LayerWeights":
+        return LayerWeights(**{f.name: getattr(self, f.name).to(device, dtype) for f in fields(self)})
+
+
+@dataclass
+class ModelWeights:
+    """Every weight of the decoder; `lm_head` is `embed` itself when embeddings are tied."""
+
+    embed: torch.Tensor  # [vocab, hidden]
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden]
+
+    @classmethod
+    def random(cls, c: ModelConfig) -> "ModelWeights":
+        """Seeded random weights in float32 on the CPU, drawn in a fixed order so every device
+        and dtype gets the same model. std = fan_in ** -0.5 keeps every projection at unit scale."""
+        generator = torch.Generator().manual_seed(c.seed)
+
+        def init(rows: int, cols: int) -> torch.Tensor:
+            return torch.randn(rows, cols, generator=generator) * cols**-0.5
+
+        qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        embed = init(c.vocab_size, c.hidden_size)
+        layers = [
+            LayerWeights(
+                attn_norm=torch.ones(c.hidden_size),
+                qkv=init(qkv_rows, c.hidden_size),
+                o=init(c.hidden_size, c.num_heads * c.head_dim),
+                mlp_norm=torch.ones(c.hidden_size),
+                gate_up=init(2 * c.intermediate_size, c.hidden_size),
+                down=init(c.hidden_size, c.intermediate_size),
+            )
+            for _ in range(c.num_layers)
+        ]
+        lm_head = embed if c.tie_word_embeddings else init(c.vocab_size, c.hidden_size)
+        return cls(embed=embed, layers=layers, final_norm=torch.ones(c.hidden_size), lm_head=lm_head)
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> "ModelWeights":
+        embed = self.embed.to(device, dtype)
+        tied = self.lm_head is self.embed
+        return ModelWeights(
+            embed=embed,
+            layers=[layer.to(device, dtype) for layer in self.layers],
+            final_norm=self.final_norm.to(device, dtype),
+            lm_head=embed if tied else self.lm_head.to(device, dtype),
+        )
+
+    def check(self, c: ModelConfig) -> None:
+        """Every tensor has the shape `c` implies (a checkpoint that disagrees is rejected)."""
+        qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        expected = {
+            "embed": (self.embed, (c.vocab_size, c.hidden_size)),
+            "final_norm": (self.final_norm, (c.hidden_size,)),
+            "lm_head": (self.lm_head, (c.vocab_size, c.hidden_size)),
+        }
+        if len(self.layers) != c.num_layers:
+            raise ValueError(f"weights have {len(self.layers)} layers but the config says {c.num_layers}")
+        for i, layer in enumerate(self.layers):
+            expected.update({
+                f"layers[{i}].attn_norm": (layer.attn_norm, (c.hidden_size,)),
+                f"layers[{i}].qkv": (layer.qkv, (qkv_rows, c.hidden_size)),
+                f"layers[{i}].o": (layer.o, (c.hidden_size, c.num_heads * c.head_dim)),
+                f"layers[{i}].mlp_norm": (layer.mlp_norm, (c.hidden_size,)),
+                f"layers[{i}].gate_up": (layer.gate_up, (2 * c.intermediate_size, c.hidden_size)),
+                f"layers[{i}].down": (layer.down, (c.hidden_size, c.intermediate_size)),
+            })
+        for name, (tensor, shape) in expected.items():
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, the config implies {shape}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -129,12 +213,12 @@ def swiglu_mlp(x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
     return (torch.nn.functional.silu(gate) * up) @ layer.down.T
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, half-split pairing. x: [n, heads, d]; cos, sin: [n, d] float32."""
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return (xf * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)
+def rotary_table(c: ModelConfig, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables [length, head_dim] float32 for positions 0..length-1 (half-split layout)."""
+    inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim)
+    angles = torch.arange(length, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [length, d/2]
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
 
 
 def split_qkv(config: ModelConfig, qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -145,87 +229,102 @@ def split_qkv(config: ModelConfig, qkv: torch.Tensor) -> tuple[torch.Tensor, ...
 
 
 class LlamaModel:
-    """Seeded random Llama-style decoder with a static KV cache for `max_reqs` requests."""
+    """A Llama-style decoder with a static KV cache for `max_reqs` requests.
 
-    def __init__(self, config: ModelConfig, max_reqs: int, device: torch.device | str) -> None:
+    weights: real weights (e.g. `capture.checkpoint.read_gguf`), any float dtype on any device;
+    they are cast to the config's dtype on `device`. None draws seeded random weights.
+    max_decode_rows: the most query rows one `decode` runs (the largest bucket, times the
+    query rows per request when verifying drafts); sizes the attention's split scratch.
+    """
+
+    def __init__(
+        self, config: ModelConfig, max_reqs: int, device: torch.device | str, weights: "ModelWeights | None" = None,
+        max_decode_rows: int | None = None,
+    ) -> None:
         if not isinstance(max_reqs, int) or max_reqs < 1:
             raise ValueError(f"max_reqs must be a positive int, got {max_reqs!r}")
         self.config = config
         self.max_reqs = max_reqs
         # Resolved through a tensor so "cuda" becomes "cuda:0" and device checks compare equal.
         self.device = torch.empty(0, device=device).device
-        c, dtype = config, config.torch_dtype
-        generator = torch.Generator().manual_seed(c.seed)
+        c = config
+        weights = (weights or ModelWeights.random(c)).to(self.device, c.torch_dtype)
+        weights.check(c)
+        self.embed, self.layers, self.final_norm, self.lm_head = (
+            weights.embed, weights.layers, weights.final_norm, weights.lm_head
+        )
 
-        # Weights are drawn on the CPU in a fixed order, so every device gets the same model.
-        # std = fan_in ** -0.5 keeps every projection's output at unit scale.
-        def init(rows: int, cols: int) -> torch.Tensor:
-            w = torch.randn(rows, cols, generator=generator) * cols**-0.5
-            return w.to(device=self.device, dtype=dtype)
-
-        def ones(n: int) -> torch.Tensor:
-            return torch.ones(n, device=self.device, dtype=dtype)
-
-        qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-        self.embed = init(c.vocab_size, c.hidden_size)  # [vocab, hidden]
-        self.layers = [
-            LayerWeights(
-                attn_norm=ones(c.hidden_size),
-                qkv=init(qkv_rows, c.hidden_size),
-                o=init(c.hidden_size, c.num_heads * c.head_dim),
-                mlp_norm=ones(c.hidden_size),
-                gate_up=init(2 * c.intermediate_size, c.hidden_size),
-                down=init(c.hidden_size, c.intermediate_size),
+        # Rotary table, [max_seq_len, head_dim] float32: rows are gathered by position. Computed
+        # in float32 the way transformers' Llama does, so float32 logits agree with it closely.
+        self.rope_cos, self.rope_sin = (t.to(self.device) for t in rotary_table(c, c.max_seq_len))
+        self.scale = c.head_dim**-0.5
+        self.attention_workspace = None
+        if self.device.type == "cuda":
+            self.attention_workspace = attention.AttentionWorkspace(
+                max_decode_rows or max_reqs, c.num_heads, c.head_dim, attention.MAX_SPLITS, self.device
             )
-            for _ in range(c.num_layers)
-        ]
-        self.final_norm = ones(c.hidden_size)
-        self.lm_head = self.embed if c.tie_word_embeddings else init(c.vocab_size, c.hidden_size)
-
-        # Rotary table, [max_seq_len, head_dim] float32: decode gathers rows by position.
-        inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
-        angles = torch.arange(c.max_seq_len, dtype=torch.float64)[:, None] * inv_freq[None, :]
-        angles = torch.cat((angles, angles), dim=-1)
-        self.rope_cos = angles.cos().float().to(self.device)
-        self.rope_sin = angles.sin().float().to(self.device)
-        # [max_seq_len] int64: compared against seq lens to build the attention mask on device.
-        self.cache_positions = torch.arange(c.max_seq_len, device=self.device)
 
         self.kv_cache = KVCache(
-            c.num_layers, max_reqs, c.max_seq_len, c.num_kv_heads, c.head_dim, dtype, self.device
+            c.num_layers, max_reqs, c.max_seq_len, c.num_kv_heads, c.head_dim, c.torch_dtype, self.device
         )
 
     # ----------------------------------------------------------------------------------------
     # Public paths
 
     @torch.no_grad()
-    def prefill(self, slot: int, token_ids: torch.Tensor) -> torch.Tensor:
-        """Run a prompt for one request eagerly; writes cache[slot, 0:L]. Returns [vocab] f32."""
+    def prefill(
+        self, slots: Sequence[int], chunks: Sequence[Sequence[int]], starts: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """Prefill a batch of prompt chunks in one forward; returns logits [B, vocab] float32 of
+        each chunk's last token.
+
+        Chunk b holds tokens for positions `starts[b] ..` of slot `slots[b]` (starts default to 0;
+        a later chunk of a long prompt attends the cache its earlier chunks wrote). Chunks are
+        padded to the longest one; padding tokens run on slot 0 (scratch), so they never touch a
+        request's cache rows. Eager: lengths are host values, so this is not captured.
+        """
         c = self.config
-        if not isinstance(slot, int) or isinstance(slot, bool) or not 1 <= slot <= self.max_reqs:
-            raise ValueError(
-                f"prefill slot must be an int in 1..{self.max_reqs} (slot 0 is padding), got {slot!r}"
-            )
-        if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1 or token_ids.dtype.is_floating_point:
-            raise ValueError("prefill token_ids must be a 1-D integer tensor [L]")
-        length = token_ids.shape[0]
-        if not 1 <= length <= c.max_seq_len:
-            raise ValueError(
-                f"prefill token_ids length {length} must be in 1..max_seq_len ({c.max_seq_len})"
-            )
-        # Checked on the host when the prompt comes from the host (no sync), then staged
-        # through pinned memory (no wait for the stream's queued work).
-        self._check_range("token_ids", token_ids, c.vocab_size)
-        if token_ids.device.type == "cpu":
-            token_ids = to_device_async(token_ids.to(torch.int64), self.device)
-        else:
-            token_ids = token_ids.to(self.device, torch.int64)
-        positions = self.cache_positions[:length]  # [L]
-        slots = torch.full((length,), slot, dtype=torch.int64, device=self.device)
-        hidden = self._forward(
-            token_ids, slots, positions, lambda layer: self.kv_cache.slot_rows(layer, slot, length)
-        )
-        return self._logits(hidden[-1:])[0]
+        starts = [0] * len(slots) if starts is None else list(starts)
+        if not slots or not len(slots) == len(chunks) == len(starts):
+            raise ValueError("prefill needs one chunk and one start per slot, and at least one slot")
+        for slot, chunk, start in zip(slots, chunks, starts):
+            if not isinstance(slot, int) or isinstance(slot, bool) or not 1 <= slot <= self.max_reqs:
+                raise ValueError(f"prefill slot must be an int in 1..{self.max_reqs} (slot 0 is padding), got {slot!r}")
+            if not isinstance(start, int) or start < 0 or not chunk or start + len(chunk) > c.max_seq_len:
+                raise ValueError(
+                    f"prefill chunk for slot {slot}: start {start!r} + length {len(chunk)} must fit in "
+                    f"max_seq_len ({c.max_seq_len}) with at least one token"
+                )
+            if any(not isinstance(t, int) or not 0 <= t < c.vocab_size for t in chunk):
+                raise ValueError(f"prefill chunk for slot {slot} holds a token id outside 0..{c.vocab_size - 1}")
+        if len(set(slots)) != len(slots):
+            raise ValueError("prefill slots repeat; give each request one chunk per batch")
+        batch, longest = len(slots), max(len(chunk) for chunk in chunks)
+        # One host buffer, staged with one non-blocking copy: per padded token its id, slot and
+        # position ([3, B, T]), then per chunk its slot, start and length ([3, B]).
+        host = torch.zeros(3 * batch * longest + 3 * batch, dtype=torch.int64)
+        per_token, per_chunk = host[: 3 * batch * longest].view(3, batch, longest), host[3 * batch * longest :].view(3, batch)
+        for b, (slot, chunk, start) in enumerate(zip(slots, chunks, starts)):
+            n = len(chunk)
+            per_token[0, b, :n] = torch.tensor(chunk, dtype=torch.int64)
+            per_token[1, b, :n] = slot
+            per_token[2, b, :n] = torch.arange(start, start + n)
+            per_chunk[:, b] = torch.tensor([slot, start, n])
+        dev = to_device_async(host, self.device)
+        tokens, token_slots, positions = dev[: 3 * batch * longest].view(3, -1)  # each [B * T]
+        chunk_slots, chunk_starts, chunk_lengths = dev[3 * batch * longest :].view(3, batch)  # each [B]
+        key_len = max(start + len(chunk) for chunk, start in zip(chunks, starts))
+
+        def attend(index: int, q: torch.Tensor) -> torch.Tensor:  # q [B * T, h, d]
+            return attention.prefill_attention(
+                q.view(batch, longest, c.num_heads, c.head_dim), self.kv_cache.keys[index],
+                self.kv_cache.values[index], chunk_slots, chunk_starts, chunk_lengths,
+                scale=self.scale, key_len=key_len,
+            ).reshape(batch * longest, -1)
+
+        hidden = self._forward(tokens, token_slots, positions, attend)  # [B * T, hidden]
+        last = torch.tensor([b * longest + len(chunk) - 1 for b, chunk in enumerate(chunks)])
+        return self._logits(hidden.index_select(0, to_device_async(last, self.device)))
 
     @torch.no_grad()
     def decode(
@@ -255,7 +354,14 @@ class LlamaModel:
                                 or out.device != self.device):
             raise ValueError(f"decode out must be a float32 [{bs}, {self.config.vocab_size}] tensor on {self.device}")
         slots64, positions = slots.long(), seq_lens.long()
-        hidden = self._forward(tokens, slots64, positions, lambda layer: self.kv_cache.rows(layer, slots64))
+
+        def attend(index: int, q: torch.Tensor) -> torch.Tensor:  # q [bs, h, d]
+            return attention.decode_attention(
+                q, self.kv_cache.keys[index], self.kv_cache.values[index], slots64, positions,
+                scale=self.scale, workspace=self.attention_workspace,
+            )
+
+        hidden = self._forward(tokens, slots64, positions, attend)
         logits = self._logits(hidden)
         return logits if out is None else out.copy_(logits)
 
@@ -277,43 +383,30 @@ class LlamaModel:
         tokens: torch.Tensor,
         slots: torch.Tensor,
         positions: torch.Tensor,
-        cache_rows: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+        attend: Callable[[int, torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
         """Run all layers for n query rows; row i sits at `positions[i]` of slot `slots[i]`.
 
-        cache_rows(layer) gives the keys/values each row attends over, [n, max_seq_len, kvh, d],
-        read after this step's K/V are written. Returns the final-normed hidden [n, hidden].
+        attend(layer, q [n, h, d]) -> [n, h * d] attends over the cache after this step's K/V
+        were written. Returns the final-normed hidden [n, hidden]. About ten nodes per layer:
+        norm, QKV GEMM, rotary + cache write, attention, O GEMM, residual add + norm, gate/up
+        GEMM, SiLU-mul, down GEMM (the residual add is fused into the next norm).
         """
         c = self.config
-        x = self.embed.index_select(0, tokens)  # [n, hidden]
-        cos = self.rope_cos.index_select(0, positions)  # [n, d]
-        sin = self.rope_sin.index_select(0, positions)  # [n, d]
-        # Additive mask from a position comparison (no boolean indexing): [n, max_seq_len].
-        visible = self.cache_positions[None, :] <= positions[:, None]
-        mask = torch.where(visible, 0.0, float("-inf"))
+        residual = self.embed.index_select(0, tokens)  # [n, hidden]
+        h = kernels.rms_norm(residual, self.layers[0].attn_norm, c.rms_eps)
         for index, layer in enumerate(self.layers):
-            q, k, v = split_qkv(c, rms_norm(x, layer.attn_norm, c.rms_eps) @ layer.qkv.T)
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-            self.kv_cache.write(index, slots, positions, k, v)
-            keys, values = cache_rows(index)
-            x = x + self._attend(q, keys, values, mask) @ layer.o.T
-            x = x + swiglu_mlp(rms_norm(x, layer.mlp_norm, c.rms_eps), layer)
-        return rms_norm(x, self.final_norm, c.rms_eps)
-
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Grouped-query attention of one query per row over its cache rows.
-
-        q: [n, h, d]; keys, values: [n, S, kvh, d]; mask: [n, S] additive. Returns [n, h * d].
-        """
-        c = self.config
-        n = q.shape[0]
-        q = q.view(n, c.num_kv_heads, c.kv_groups, c.head_dim)  # [n, kvh, g, d]
-        # Scores in the model dtype (fp32 accumulate on GPU), softmax in float32.
-        scores = torch.einsum("nkgd,nskd->nkgs", q, keys).float()  # [n, kvh, g, S]
-        scores = scores * c.head_dim**-0.5 + mask[:, None, None, :]
-        probs = scores.softmax(dim=-1).to(values.dtype)
-        out = torch.einsum("nkgs,nskd->nkgd", probs, values)  # [n, kvh, g, d]
-        return out.reshape(n, c.num_heads * c.head_dim)
+            if index:
+                h, residual = kernels.rms_norm(x, layer.attn_norm, c.rms_eps, residual=residual)
+            q = kernels.rotary_and_cache_write(
+                h @ layer.qkv.T, self.rope_cos, self.rope_sin, positions,
+                self.kv_cache.keys[index], self.kv_cache.values[index], slots, c.num_heads, c.num_kv_heads,
+            )
+            x = attend(index, q) @ layer.o.T
+            h, residual = kernels.rms_norm(x, layer.mlp_norm, c.rms_eps, residual=residual)
+            x = kernels.silu_mul(h @ layer.gate_up.T) @ layer.down.T
+        h, _ = kernels.rms_norm(x, self.final_norm, c.rms_eps, residual=residual)
+        return h
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return (hidden @ self.lm_head.T).float()  # [n, vocab]
@@ -330,20 +423,17 @@ def reference_logits(model: LlamaModel, token_ids: list[int]) -> torch.Tensor:
     """Slow reference: logits [vocab] f32 of the last position, recomputed without the cache.
 
     Plain causal attention over the whole sequence, KV heads repeated for GQA, rotary angles
-    computed afresh; shares only the weights and the norm/MLP helpers with the model.
+    taken from the same table; shares only the weights and the norm/MLP helpers with the model.
     """
     c = model.config
     n = len(token_ids)
     tokens = torch.tensor(token_ids, dtype=torch.int64, device=model.device)
     x = model.embed[tokens]  # [n, hidden]
-    inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
-    angles = torch.arange(n, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    angles = torch.cat((angles, angles), dim=-1).to(model.device)
-    cos, sin = angles.cos().float(), angles.sin().float()  # [n, d]
+    cos, sin = (t.to(model.device) for t in rotary_table(c, n))  # [n, d]
     causal = torch.full((n, n), float("-inf"), device=model.device).triu(1)  # [n, n]
     for layer in model.layers:
         q, k, v = split_qkv(c, rms_norm(x, layer.attn_norm, c.rms_eps) @ layer.qkv.T)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        q, k = kernels.rotate(q, cos, sin), kernels.rotate(k, cos, sin)
         k = k.repeat_interleave(c.kv_groups, dim=1)  # [n, h, d]
         v = v.repeat_interleave(c.kv_groups, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) / math.sqrt(c.head_dim) + causal

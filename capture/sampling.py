@@ -1,38 +1,58 @@
-"""Fixed-shape, sync-free token sampling: greedy, or seeded temperature + top-k (Gumbel-max).
+"""Fixed-shape, sync-free token sampling: greedy, or seeded temperature + top-k + top-p
+(Gumbel-max).
 
-Randomness comes from a counter-based integer hash of (seed, step, vocab index) in plain torch
-int64 ops, not from torch's global RNG: a row's token depends only on its own logits, seed and
-step, so it is the same under CUDA graph replay and eager, on CPU and GPU, and wherever the
-row sits in the batch. Every op is row-wise and fixed-shape in `bs`; nothing branches on
-values (greedy rows are selected with `torch.where`), so `sample` can be captured.
+Randomness comes from a counter-based integer hash of (seed, step, vocab index), not from
+torch's global RNG: a row's token depends only on its own logits, seed and step, so it is the
+same under CUDA graph replay and eager, wherever the row sits in the batch, and on CPU and GPU
+up to an ulp of log/exp (see `sample`).
+
+Two backends compute the same function. "torch" (the reference, and the CPU default) is plain
+row-wise torch ops; "triton" (the CUDA default) is three fused launches
+(`capture.sampling_kernel`) that hash the noise in registers. Both are fixed-shape in `bs` and
+never branch on values on the host, so `sample` can be captured.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple, Sequence
 
 import msgspec
 import torch
 
+from capture.sampling_kernel import MAX_RANKED, sample_triton
+
 _MASK32 = 0xFFFFFFFF
 _INT64_RANGE = (-(2**63), 2**63 - 1)
+# float32's smallest normal. A subnormal temperature is flushed to zero by some GPU math (so
+# logit gaps would divide into NaN) and one below 2**-149 rounds to 0, silently greedy.
+MIN_TEMPERATURE = 2.0**-126
+BACKENDS = ("torch", "triton")
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Per-request sampling. temperature 0 is greedy; top_k 0 keeps the whole vocabulary."""
+    """Per-request sampling. temperature 0 is greedy; top_k 0 keeps the whole vocabulary;
+    top_p 1 disables the nucleus cut (see `sample` for the exact semantics)."""
 
     temperature: float = 0.0
     top_k: int = 0
     seed: int = 0
+    top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"SamplingParams.temperature must be a finite float >= 0, got {self.temperature}")
+        t = self.temperature
+        if not (math.isfinite(t) and (t == 0 or t >= MIN_TEMPERATURE)):
+            raise ValueError(
+                f"SamplingParams.temperature must be 0 (greedy) or a finite float >= "
+                f"{MIN_TEMPERATURE:.8g} (float32's smallest normal), got {t}"
+            )
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise ValueError(f"SamplingParams.top_k must be an int >= 0 (0 = no cut), got {self.top_k!r}")
         if not isinstance(self.seed, int) or not _INT64_RANGE[0] <= self.seed <= _INT64_RANGE[1]:
             raise ValueError(f"SamplingParams.seed must be an int that fits in int64, got {self.seed!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be a float in (0, 1] (1 = no nucleus cut), got {self.top_p!r}")
 
 
 class SamplingTensors(NamedTuple):
@@ -40,6 +60,7 @@ class SamplingTensors(NamedTuple):
 
     temperature: torch.Tensor  # float32
     top_k: torch.Tensor  # int32
+    top_p: torch.Tensor  # float32
     seeds: torch.Tensor  # int64
 
 
@@ -51,6 +72,7 @@ def pack_sampling_params(params: Sequence[SamplingParams], batch_size: int) -> S
     return SamplingTensors(
         temperature=torch.tensor([p.temperature for p in params] + [0.0] * pad, dtype=torch.float32),
         top_k=torch.tensor([p.top_k for p in params] + [0] * pad, dtype=torch.int32),
+        top_p=torch.tensor([p.top_p for p in params] + [1.0] * pad, dtype=torch.float32),
         seeds=torch.tensor([p.seed for p in params] + [0] * pad, dtype=torch.int64),
     )
 
@@ -93,6 +115,50 @@ def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> t
     return -torch.log(-torch.log(uniform))
 
 
+def keep_threshold(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor | None,
+    width: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(threshold, row max), each [bs, 1] float32: a sampled row keeps the logits >= threshold
+    (-inf = no cut). `width` is how many logits per row are ranked (see `sample`)."""
+    vocab_size = logits.shape[1]
+    ranked = logits.topk(width, dim=-1).values  # [bs, W], descending
+    top = ranked[:, :1]  # [bs, 1]
+    top_k = top_k.long()[:, None]  # [bs, 1]
+    no_top_k = (top_k <= 0) | (top_k >= vocab_size)
+    count = torch.where(no_top_k, width, top_k.clamp(1, width))  # ranked entries in the top-k set
+    kth = torch.where(no_top_k, float("-inf"), ranked.gather(1, count - 1))  # [bs, 1]
+    if top_p is None:
+        return kth, top
+    safe_temperature = torch.where(temperature > 0, temperature, 1.0)[:, None]  # [bs, 1]
+    # Unnormalised probabilities relative to the row max (<= 1, so no overflow), totalled over
+    # the top-k set's ranked entries, or over the whole vocabulary without top-k.
+    in_set = torch.arange(width, device=logits.device)[None, :] < count  # [bs, W]
+    weights = torch.where(in_set, torch.exp((ranked - top) / safe_temperature), 0.0)  # [bs, W]
+    vocab_mass = torch.exp((logits - top) / safe_temperature).sum(-1, keepdim=True)  # [bs, 1]
+    mass = torch.where(no_top_k, vocab_mass, weights.sum(-1, keepdim=True))  # [bs, 1]
+    # Ranked entries whose inclusive cumulative probability is still below top_p; the nucleus
+    # ends at the next one (cumsum is non-decreasing, so counting finds the first crossing).
+    below = ((weights.cumsum(-1) / mass < top_p[:, None]) & in_set).sum(-1, keepdim=True)  # [bs, 1]
+    nucleus = ranked.gather(1, torch.minimum(below, count - 1))  # [bs, 1]
+    return torch.where(top_p[:, None] < 1, nucleus, kth), top
+
+
+def _sample_torch(logits, temperature, top_k, top_p, seeds, steps, width) -> torch.Tensor:
+    greedy = logits.argmax(dim=-1)  # [bs]
+    threshold, top = keep_threshold(logits, temperature, top_k, top_p, width)
+    # Greedy rows get temperature 1 here only to stay finite; their sample is discarded.
+    safe_temperature = torch.where(temperature > 0, temperature, 1.0)[:, None]  # [bs, 1]
+    # Shifting by the row max cannot change the argmax, and keeps tiny temperatures from
+    # dividing large logits into +inf ties.
+    scaled = torch.where(logits >= threshold, (logits - top) / safe_temperature, float("-inf"))
+    sampled = (scaled + gumbel_noise(seeds.long(), steps.long(), logits.shape[1])).argmax(dim=-1)  # [bs]
+    return torch.where(temperature > 0, sampled, greedy)
+
+
 def sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -101,26 +167,47 @@ def sample(
     steps: torch.Tensor,
     out: torch.Tensor | None = None,
     max_top_k: int | None = None,
+    *,
+    top_p: torch.Tensor | None = None,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """Pick one token per row: tokens [bs] int64.
 
-    logits [bs, V] float32; temperature [bs] float32 (0 = greedy); top_k [bs] int32/int64
-    (0 or >= V = no cut); seeds, steps [bs] int32/int64. A request should pass a step that
+    logits [bs, V] float32 (each row with a finite max); temperature [bs] float32 (<= 0 =
+    greedy); top_k [bs] int32/int64 (0 or >= V = no cut); top_p [bs] float32 (>= 1 = no cut;
+    None = no cut in any row); seeds, steps [bs] int32/int64. A request should pass a step that
     differs at every decode step, e.g. its seq len. Capturable: only metadata is checked.
 
-    max_top_k (a static int) ranks only that many logits per row instead of the whole
-    vocabulary, which is much cheaper; a top_k between max_top_k and V is then cut at
-    max_top_k, while 0 (or >= V) still means no cut.
+    A greedy row takes the argmax (the first index among equal maxima). A sampled row, with
+    s_1 >= s_2 >= ... its logits sorted (ties repeated) and W = min(max_top_k, V) (V when
+    max_top_k is None), keeps every logit >= s_m (ties with s_m included), where:
+      - top-k: n = min(top_k, W) when 0 < top_k < V (a top_k above max_top_k is cut at W);
+        otherwise n = V;
+      - top-p: with p_j = exp((s_j - s_1) / T) / Z and Z totalled over j <= n, the nucleus ends
+        at the first j whose cumulative p_1 + ... + p_j reaches top_p, but searched within the
+        W ranked logits: a nucleus wider than W is cut at s_W;
+      - m = min(n, W, that j) when top_p < 1; else m = n (so m = V keeps everything).
+    The token is then the argmax over kept logits of (logit - s_1) / T plus Gumbel noise, a
+    pure function of (seed, step, vocab index): an exact draw from softmax(logits / T) over the
+    kept set. The top token is always kept. max_top_k (a static int) thus ranks only W logits
+    per row instead of the whole vocabulary, which is much cheaper.
+
+    backend: "torch" (the reference) or "triton" (three fused launches, no torch ops; it ranks
+    at most MAX_RANKED logits, so it needs max_top_k <= MAX_RANKED or a vocabulary that small,
+    and on CPU tensors TRITON_INTERPRET=1). The default is "triton" on CUDA when max_top_k
+    allows it, else "torch". The backends give the same tokens except where float rounding can
+    differ: log/exp may round an ulp apart (between CPU and GPU too) and the nucleus mass is
+    summed in another order, which flips a token only when two perturbed scores, or a
+    cumulative probability and top_p, are within about 1e-6 of each other.
     """
     if logits.dim() != 2 or logits.dtype != torch.float32:
         raise ValueError(f"sample logits must be float32 [bs, vocab], got {logits.dtype} {tuple(logits.shape)}")
     bs, vocab_size = logits.shape
-    for name, t, dtypes in (
-        ("temperature", temperature, (torch.float32,)),
-        ("top_k", top_k, (torch.int32, torch.int64)),
-        ("seeds", seeds, (torch.int32, torch.int64)),
-        ("steps", steps, (torch.int32, torch.int64)),
-    ):
+    rows = {"temperature": (temperature, (torch.float32,)), "top_k": (top_k, (torch.int32, torch.int64))}
+    if top_p is not None:
+        rows["top_p"] = (top_p, (torch.float32,))
+    rows.update(seeds=(seeds, (torch.int32, torch.int64)), steps=(steps, (torch.int32, torch.int64)))
+    for name, (t, dtypes) in rows.items():
         if t.shape != (bs,) or t.dtype not in dtypes or t.device != logits.device:
             raise ValueError(
                 f"sample {name} must be [{bs}] of {[str(d) for d in dtypes]} on {logits.device}, "
@@ -131,19 +218,21 @@ def sample(
     if max_top_k is not None and (not isinstance(max_top_k, int) or max_top_k < 1):
         raise ValueError(f"sample max_top_k must be None or a positive int, got {max_top_k!r}")
     width = vocab_size if max_top_k is None else min(max_top_k, vocab_size)
-
-    greedy = logits.argmax(dim=-1)  # [bs]
-
-    # Top-k by threshold: keep logits >= the row's k-th largest (ties at the threshold stay).
-    top_k = top_k.long()
-    no_cut = (top_k <= 0) | (top_k >= vocab_size)  # [bs]
-    ranked = logits.topk(width, dim=-1).values  # [bs, width], descending
-    kth = ranked.gather(1, (top_k.clamp(1, width) - 1)[:, None])  # [bs, 1]
-    threshold = torch.where(no_cut[:, None], float("-inf"), kth)  # [bs, 1]
-    # Greedy rows get temperature 1 here only to stay finite; their sample is discarded.
-    safe_temperature = torch.where(temperature > 0, temperature, 1.0)[:, None]  # [bs, 1]
-    scaled = torch.where(logits >= threshold, logits / safe_temperature, float("-inf"))
-    sampled = (scaled + gumbel_noise(seeds.long(), steps.long(), vocab_size)).argmax(dim=-1)  # [bs]
-
-    tokens = torch.where(temperature > 0, sampled, greedy)
+    backend = backend or ("triton" if logits.is_cuda and width <= MAX_RANKED else "torch")
+    if backend not in BACKENDS:
+        raise ValueError(f"sample backend {backend!r} is not one of {BACKENDS}")
+    if backend == "triton":
+        if width > MAX_RANKED:
+            raise ValueError(
+                f"sample backend 'triton' ranks at most {MAX_RANKED} logits per row: pass max_top_k <= "
+                f"{MAX_RANKED} (got {max_top_k}, vocab {vocab_size}) or backend='torch'"
+            )
+        if not logits.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("sample backend 'triton' on CPU tensors needs TRITON_INTERPRET=1 set before "
+                             "importing triton")
+        if logits.stride(1) != 1:
+            raise ValueError("sample backend 'triton' needs logits rows contiguous (stride(1) == 1)")
+        out = out if out is not None else torch.empty(bs, dtype=torch.int64, device=logits.device)
+        return sample_triton(logits, temperature, top_k, top_p, seeds, steps, out, width)
+    tokens = _sample_torch(logits, temperature, top_k, top_p, seeds, steps, width)
     return tokens if out is None else out.copy_(tokens)

@@ -50,8 +50,8 @@ class DecodeStep:
         # token in every mode and batch composition.
         tokens = sample(
             logits, inputs.temperature, inputs.top_k, inputs.seeds, resolved.seq_lens,
-            out=self.next_tokens[:bs], max_top_k=self.max_top_k,
+            out=self.next_tokens[:bs], max_top_k=self.max_top_k, top_p=inputs.top_p,
         )
         new_seq_lens = torch.add(resolved.seq_lens, 1, out=self.new_seq_lens[:bs])
         self.relay.stash_and_publish(inputs.slots, RelayPayload(tokens=tokens), new_seq_lens)
-        self.mirror.write(inputs.slots, self.relay.generation, tokens, new_seq_lens)
+        self.mirror.write(inputs.slots, tokens, new_seq_lens)

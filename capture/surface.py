@@ -34,6 +34,7 @@ class InputsView(NamedTuple):
     temperature: torch.Tensor  # [bs] float32, 0 = greedy
     top_k: torch.Tensor  # [bs] int32, 0 = no cut
     seeds: torch.Tensor  # [bs] int64
+    top_p: torch.Tensor  # [bs] float32, 1 = no nucleus cut (last: positional users predate it)
 
 
 # name -> (dtype, padding value). Padding rows are greedy requests on slot 0.
@@ -42,6 +43,7 @@ _FIELDS = {
     "temperature": (torch.float32, 0.0),
     "top_k": (torch.int32, 0),
     "seeds": (torch.int64, 0),
+    "top_p": (torch.float32, 1.0),
 }
 
 
@@ -102,6 +104,7 @@ class DecodeInputs:
             "temperature": [p.temperature for p in batch.params],
             "top_k": [p.top_k for p in batch.params],
             "seeds": [p.seed for p in batch.params],
+            "top_p": [p.top_p for p in batch.params],
         }
         for name, values in columns.items():
             _write_padded(getattr(staged, name), values, bs, _FIELDS[name][1])

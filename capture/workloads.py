@@ -1,18 +1,23 @@
-"""Workloads: the requests a serving run admits. Token ids only; no tokenizer needed.
+"""Workloads: the requests a serving run admits, as token ids.
 
-Two sources: a seeded synthetic generator (closed loop, or Poisson arrivals at a rate, with
-uniform prompt and output lengths), and a JSONL file with one request per line.
+Three sources: a seeded synthetic generator (random token ids; closed loop or Poisson arrivals
+at a rate, uniform prompt and output lengths), a JSONL file with one request per line (token
+ids, text, or chat messages), and a built-in set of chat prompts for the real model. Text is
+turned into token ids here, by the model's `TextCodec`, before the engine sees it.
 """
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import msgspec
 
 from capture.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from capture.text import TextCodec
 
 
 class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -21,7 +26,7 @@ class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     id: str
     prompt: list[int]
     max_new_tokens: int
-    stop_token: Optional[int] = None
+    stop_tokens: tuple[int, ...] = ()
     sampling: SamplingParams = SamplingParams()
     arrival: float = 0.0
 
@@ -43,7 +48,7 @@ class SyntheticWorkload(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     prompt_len: tuple[int, int] = (4, 32)  # inclusive range, uniform
     output_len: tuple[int, int] = (8, 64)
     vocab_size: int = 512
-    stop_token: Optional[int] = None
+    stop_tokens: tuple[int, ...] = ()
     rate: float = 0.0
     temperature: float = 0.0
     top_k: int = 0
@@ -71,7 +76,7 @@ class SyntheticWorkload(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
                     id=f"r{i}",
                     prompt=prompt,
                     max_new_tokens=rng.randint(*self.output_len),
-                    stop_token=self.stop_token,
+                    stop_tokens=self.stop_tokens,
                     sampling=SamplingParams(temperature=self.temperature, top_k=self.top_k, seed=self.seed * 1_000_003 + i),
                     arrival=clock,
                 )
@@ -83,29 +88,83 @@ class WorkloadError(ValueError):
     """A request file is malformed; the message names the file, the line and the problem."""
 
 
-def load_jsonl(path: str | Path) -> list[Request]:
-    """One JSON request per line (blank lines skipped); ids default to the line number."""
+def load_jsonl(path: str | Path, codec: Optional["TextCodec"] = None, chat: bool = True) -> list[Request]:
+    """One JSON request per line (blank lines skipped); ids default to the line number.
+
+    A request gives its prompt as token ids (`"prompt": [1, 2, 3]`), as text (`"prompt": "..."`,
+    through the chat template when `chat`), or as chat messages (`"messages": [{"role": ...,
+    "content": ...}]`); text needs the model's `codec`. Text requests stop at the model's
+    end-of-turn tokens unless they give `stop_tokens`. The file is read line by line (a huge or
+    endless file fails at its first bad line, not by filling memory); lines end at "\n" only,
+    so U+2028 inside a JSON string is just a character.
+    """
     path = Path(path)
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as exc:
-        raise WorkloadError(f"cannot read request file {path}: {exc.strerror}") from None
     decoder = msgspec.json.Decoder(type=dict)
     requests, seen = [], set()
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            raw = decoder.decode(line)
-            raw.setdefault("id", str(number))
-            request = msgspec.convert(raw, Request)
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-            raise WorkloadError(f"{where}: {exc}") from None
-        if request.id in seen:
-            raise WorkloadError(f"{where}: duplicate request id {request.id!r}")
-        seen.add(request.id)
-        requests.append(request)
+    try:
+        with path.open("rb") as lines:
+            for number, raw_line in enumerate(lines, 1):
+                where = f"{path}:{number}"
+                try:
+                    line = raw_line.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise WorkloadError(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start}); save the file as UTF-8") from None
+                if not line.strip():
+                    continue
+                try:
+                    raw = decoder.decode(line)
+                    raw.setdefault("id", str(number))
+                    _encode_text(raw, codec, chat)
+                    request = msgspec.convert(raw, Request)
+                except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+                    raise WorkloadError(f"{where}: {exc}") from None
+                if request.id in seen:
+                    raise WorkloadError(f"{where}: duplicate request id {request.id!r}")
+                seen.add(request.id)
+                requests.append(request)
+    except OSError as exc:
+        raise WorkloadError(f"cannot read request file {path}: {exc.strerror}") from None
     if not requests:
         raise WorkloadError(f"{path}: no requests (expected one JSON object per line)")
     return requests
+
+
+def _encode_text(raw: dict, codec: Optional["TextCodec"], chat: bool) -> None:
+    """Turn a text prompt or chat messages into token ids, in place."""
+    messages, prompt = raw.pop("messages", None), raw.get("prompt")
+    if messages is None and not isinstance(prompt, str):
+        return  # token ids (or a malformed prompt, reported by the conversion)
+    if messages is not None and prompt is not None:
+        raise ValueError("give either 'prompt' or 'messages', not both")
+    if codec is None:
+        raise ValueError("text prompts need a model with a tokenizer (the GGUF model); this one takes token ids only")
+    if messages is not None:
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("'messages' must be a non-empty list of {\"role\": ..., \"content\": ...} objects")
+        raw["prompt"] = codec.encode_chat(messages)
+    else:
+        raw["prompt"] = codec.encode_chat([{"role": "user", "content": prompt}]) if chat else codec.encode(prompt)
+    raw.setdefault("stop_tokens", list(codec.stop_tokens))
+
+
+DEMO_QUESTIONS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Give three tips for staying focused while studying.",
+    "Explain in two sentences why the sky is blue.",
+    "What is 12 times 12?",
+    "Name three primary colors.",
+    "Translate 'good morning' into Spanish.",
+    "Suggest a name for a friendly robot.",
+)
+
+
+def demo_requests(codec: "TextCodec", max_new_tokens: int = 64, sampling: SamplingParams = SamplingParams()) -> list[Request]:
+    """The built-in chat workload: short questions through the chat template, greedy by default."""
+    return [
+        Request(
+            id=f"q{i}", prompt=codec.encode_chat([{"role": "user", "content": q}]), max_new_tokens=max_new_tokens,
+            stop_tokens=codec.stop_tokens, sampling=sampling,
+        )
+        for i, q in enumerate(DEMO_QUESTIONS)
+    ]

@@ -1,6 +1,6 @@
 """Relay configuration: every field the relay carries, declared with its shape up front.
 
-A relay is sized once, from this config, and never from a payload (DESIGN.md §2.1).
+A relay is sized once, from this config, and never from a payload (docs/design.md §2.1).
 `RelayConfig` is frozen and validated where it is built; a bad value raises `ValueError`
 naming the field and the fix. It loads from JSON or TOML through msgspec.
 """
@@ -26,6 +26,25 @@ DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
 }
 INT_DTYPES = frozenset({"int8", "int16", "int32", "int64"})
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+def env_flag(name: str) -> bool:
+    """A boolean environment variable: 1/0, true/false, yes/no, on/off in any case, unset or
+    empty = off. Anything else raises, rather than a typo silently meaning off."""
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(
+        f"{name}={raw!r} is not a boolean; use one of 1/0, true/false, yes/no, on/off "
+        "(any case; empty means off)"
+    )
 
 
 class FieldSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -99,15 +118,20 @@ class RelayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                     f"RelayConfig.{name} {getattr(self, name)!r} must be an integer dtype, "
                     f"one of {sorted(INT_DTYPES)}"
                 )
-        if self.pad_token_id < 0:
-            raise ValueError(
-                f"RelayConfig.pad_token_id must be a valid token id (>= 0), got {self.pad_token_id}"
-            )
-        if self.seq_len_fill < 0:
-            raise ValueError(
-                f"RelayConfig.seq_len_fill must be >= 0 (the seq len padding rows report), "
-                f"got {self.seq_len_fill}"
-            )
+        for name, dtype, what in (
+            ("pad_token_id", self.token_dtype, "a valid token id"),
+            ("seq_len_fill", self.seq_len_dtype, "the seq len padding rows report"),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"RelayConfig.{name} must be an int ({what}), got {value!r}")
+            high = torch.iinfo(DTYPES[dtype]).max
+            if not 0 <= value <= high:
+                raise ValueError(
+                    f"RelayConfig.{name} must be in [0, {high}] ({what}, stored as {dtype}), got {value}"
+                )
+        if not isinstance(self.debug, bool):
+            raise ValueError(f"RelayConfig.debug must be True or False, got {self.debug!r}")
         for name in ("topk_index", "sparse_topk", "accepted_tokens", "accept_len"):
             spec = getattr(self, name)
             if spec is not None and spec.dtype not in INT_DTYPES:
@@ -134,7 +158,8 @@ class RelayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def debug_enabled(self) -> bool:
-        return self.debug or os.environ.get("GRAPHRELAY_DEBUG") == "1"
+        """`debug`, or the GRAPHRELAY_DEBUG environment switch (see `env_flag`)."""
+        return self.debug or env_flag("GRAPHRELAY_DEBUG")
 
     @property
     def token_torch_dtype(self) -> torch.dtype:

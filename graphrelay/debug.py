@@ -1,7 +1,8 @@
 """Debug mode: device-side checks for relay ops that run inside a CUDA graph.
 
 Inside a capture, validating indices on the host would need a sync, so debug mode checks on
-the device instead. Each slot carries a state per field group (stash, publish):
+the device instead. Each slot carries a state per field (a write sets the fields it carries,
+a resolve consumes the fields it reads, so subsets may be read at different points):
 
     UNWRITTEN  -- admitted (or never used) and not yet written: reading it is a bug
     FRESH      -- written since it was last read

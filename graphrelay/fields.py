@@ -9,7 +9,7 @@ fields (seq lens, then confidence). The kernels walk this table; `RelayPayload` 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Mapping, Optional
 
 import msgspec
 import torch
@@ -73,11 +73,11 @@ class RelayPayload(msgspec.Struct):
 
 
 class Resolved(msgspec.Struct):
-    """What `resolve` gathers for one batch: tensors `[bs, *field shape]` for every enabled
-    field (None for disabled ones)."""
+    """What `resolve` gathers for one batch: tensors `[bs, *field shape]` for every field it
+    read (every enabled field, or the `fields=` subset); None for the others."""
 
-    tokens: torch.Tensor  # [bs] next input ids
-    seq_lens: torch.Tensor  # [bs] tokens already in each slot's KV cache
+    tokens: Optional[torch.Tensor] = None  # [bs] next input ids
+    seq_lens: Optional[torch.Tensor] = None  # [bs] tokens already in each slot's KV cache
     topk_p: Optional[torch.Tensor] = None
     topk_index: Optional[torch.Tensor] = None
     hidden: Optional[torch.Tensor] = None
@@ -101,12 +101,13 @@ def _narrow(struct, bs: int):
     return type(struct)(**views)
 
 
-def allocate(cls, fields: tuple[Field, ...], batch: int, device: torch.device):
-    """A `cls` (RelayPayload or Resolved) of zeroed `[batch, *shape]` buffers for `fields`,
-    in storage dtypes: the static buffers a captured graph binds."""
+def allocate(cls, fields: tuple[Field, ...], batch: int, device: torch.device, dtypes: Optional[Mapping[str, torch.dtype]] = None):
+    """A `cls` (RelayPayload or Resolved) of zeroed `[batch, *shape]` buffers for `fields`, in
+    their storage dtypes unless `dtypes` names another: the static buffers a captured graph binds."""
     own = set(cls.__struct_fields__)
+    dtypes = dtypes or {}
     tensors = {
-        f.name: torch.zeros((batch, *f.shape), dtype=f.dtype, device=device)
+        f.name: torch.zeros((batch, *f.shape), dtype=dtypes.get(f.name, f.dtype), device=device)
         for f in fields
         if f.name in own
     }

@@ -1,13 +1,18 @@
-"""Fused Triton kernels: one launch gathers every field, one launch scatters any set of them.
+"""Fused Triton kernels: one launch gathers any set of fields, one launch scatters any set.
 
+Imported only when the Triton backend is first used (`graphrelay.backend.triton_module`).
 Both kernels walk the relay's field table as tuples of tensors. The grid is
 `(batch rows, chunks)`: each field's row is split into chunks of BLOCKS[f] elements (at most
-`chunk_bytes(bs)`), and program `(i, c)` copies one chunk of one field for batch row `i`, casting
-to the destination dtype on store. Wide fields (hidden states) thus spread over several
-programs instead of one program looping, which is what a batch of 1 needs to be fast.
+`backend.chunk_bytes(bs)`), and program `(i, c)` copies one chunk of one field for batch row
+`i`, casting to the destination dtype on store. Wide fields (hidden states) thus spread over
+several programs instead of one program looping, which is what a batch of 1 needs to be fast.
 Slot 0 is the padding row: gathers read it (it holds the fill values), scatters to it are
 dropped, so no padded batch row can change rows 1..max_reqs. An out-of-range index is clamped
 to row 0 (and recorded in debug mode) rather than touching memory outside the buffers.
+
+Caller tensors (indices, payloads, `out=` buffers) may be any strided view: each comes with
+a stride descriptor (`backend.strides_of`), so a view is addressed where it really lives
+rather than as if it were contiguous; the relay's own buffers are always contiguous.
 
 The pure-torch twin of these semantics is `graphrelay.reference`; tests demand bit-equality.
 """
@@ -17,9 +22,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from graphrelay import debug
+from graphrelay import backend, debug
 
-# Debug-mode codes as compile-time constants (jit functions may only read constexpr globals).
+# Compile-time constants (jit functions may only read constexpr globals).
 _FRESH = tl.constexpr(debug.FRESH)
 _CONSUMED = tl.constexpr(debug.CONSUMED)
 _UNWRITTEN = tl.constexpr(debug.UNWRITTEN)
@@ -27,10 +32,12 @@ _ERR_UNWRITTEN = tl.constexpr(debug.ERR_UNWRITTEN)
 _ERR_CONSUMED = tl.constexpr(debug.ERR_CONSUMED)
 _ERR_OUT_OF_RANGE = tl.constexpr(debug.ERR_OUT_OF_RANGE)
 _ERR_FIELD_INDICES = tl.constexpr(debug.ERR_FIELD_INDICES)
+_CONTIGUOUS = tl.constexpr(backend.CONTIGUOUS)
+_FLAT = tl.constexpr(backend.FLAT)
 
 
 @triton.jit
-def _to_dtype(v, ty: tl.constexpr):
+def to_dtype(v, ty: tl.constexpr):
     """Cast `v` to `ty`, rounding float32 -> bfloat16 to nearest-even explicitly.
 
     NOTE: Triton's interpreter truncates fp32 -> bf16 while torch and the GPU round to
@@ -50,21 +57,38 @@ def _to_dtype(v, ty: tl.constexpr):
 
 
 @triton.jit
-def _copy_chunk(src, src_row, dst, dst_row, chunk, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
-    """dst[dst_row, chunk*BLOCK : ...] = src[src_row, same] (row-major rows of WIDTH elements)."""
-    offs = chunk * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < WIDTH
-    v = tl.load(src + src_row * WIDTH + offs, mask=mask)
-    tl.store(dst + dst_row * WIDTH + offs, _to_dtype(v, dst.dtype.element_ty), mask=mask)
+def offsets(row, k, strides, MODE: tl.constexpr, WIDTH: tl.constexpr):
+    """Element offsets of row-major elements `k` of row `row` (see `backend.strides_of`);
+    `strides` is unused, and may be None, for a contiguous tensor."""
+    if MODE == _CONTIGUOUS:
+        return row * WIDTH + k
+    elif MODE == _FLAT:
+        return row.to(tl.int64) * strides[0] + k * strides[2]
+    else:
+        return row.to(tl.int64) * strides[0] + (k // MODE) * strides[1] + (k % MODE) * strides[2]
 
 
 @triton.jit
-def _copy_fields(srcs, src_row, dsts, dst_row, c, WIDTHS: tl.constexpr, BLOCKS: tl.constexpr, STARTS: tl.constexpr):
-    """Program column `c` copies one chunk of one field: field f owns columns
-    STARTS[f] .. STARTS[f + 1] - 1, one per BLOCKS[f] elements of its row."""
+def _copy_fields(caller, strides, MODES: tl.constexpr, caller_row, bufs, slot, c, TO_RELAY: tl.constexpr,
+                 WIDTHS: tl.constexpr, BLOCKS: tl.constexpr, STARTS: tl.constexpr):
+    """Program column `c` copies one chunk of one field between the caller's tensor (row
+    `caller_row`, any strides) and the relay's buffer (row `slot`, contiguous), towards the
+    relay when TO_RELAY. Field f owns columns STARTS[f] .. STARTS[f + 1] - 1, one per
+    BLOCKS[f] elements of its row. `strides` is None when every caller tensor is contiguous:
+    the common case then binds no stride arguments at all (cheaper eager launches)."""
     for f in tl.static_range(len(WIDTHS)):
         if (c >= STARTS[f]) & (c < STARTS[f + 1]):
-            _copy_chunk(srcs[f], src_row, dsts[f], dst_row, c - STARTS[f], WIDTHS[f], BLOCKS[f])
+            k = (c - STARTS[f]) * BLOCKS[f] + tl.arange(0, BLOCKS[f])
+            mask = k < WIDTHS[f]
+            if MODES[f] == _CONTIGUOUS:
+                theirs = caller[f] + caller_row * WIDTHS[f] + k
+            else:
+                theirs = caller[f] + offsets(caller_row, k, strides[f], MODES[f], WIDTHS[f])
+            ours = bufs[f] + slot * WIDTHS[f] + k
+            if TO_RELAY:
+                tl.store(ours, to_dtype(tl.load(theirs, mask=mask), bufs[f].dtype.element_ty), mask=mask)
+            else:
+                tl.store(theirs, to_dtype(tl.load(ours, mask=mask), caller[f].dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -76,99 +100,73 @@ def _record_error(err_ptr, code, slot, field_id):
 
 
 @triton.jit
-def _load_slot(idx_ptr, i, f, max_reqs, err_ptr, DEBUG: tl.constexpr):
+def _load_slot(idx_ptr, idx_stride, i, c, max_reqs, err_ptr, DEBUG: tl.constexpr):
     """Slot index of batch row i, clamped to padding row 0 when out of range."""
-    slot = tl.load(idx_ptr + i).to(tl.int64)
+    slot = tl.load(idx_ptr + i * idx_stride).to(tl.int64)
     in_range = (slot >= 0) & (slot <= max_reqs)
     if DEBUG:
-        if (f == 0) & (in_range == 0):  # one report per bad row
+        if (c == 0) & (in_range == 0):  # one report per bad row
             _record_error(err_ptr, _ERR_OUT_OF_RANGE, slot.to(tl.int32), _ERR_FIELD_INDICES)
     return tl.where(in_range, slot, 0)
 
 
 @triton.jit
-def _consume(state_ptr, err_ptr, slot, group: tl.constexpr, field_id: tl.constexpr):
-    """Debug: demand a FRESH row for `group`, then mark it CONSUMED."""
-    state = tl.load(state_ptr + slot * 2 + group)
-    if state != _FRESH:
-        code = tl.where(state == _UNWRITTEN, _ERR_UNWRITTEN, _ERR_CONSUMED)
-        _record_error(err_ptr, code, slot.to(tl.int32), field_id)
-    tl.store(state_ptr + slot * 2 + group, _CONSUMED)
-
-
-@triton.jit
 def gather_kernel(
     idx_ptr,  # [bs] slot per batch row
-    bufs,  # tuple: relay buffers [rows, width_f]
-    outs,  # tuple: outputs [bs, width_f]
-    state_ptr,  # [rows, 2] int8 debug states
+    idx_stride,
+    bufs,  # tuple: relay buffers [rows, width_f], contiguous
+    outs,  # tuple: outputs [bs, width_f], any strides
+    out_strides,  # tuple of (s0, s1, s2) per output, or None when all are contiguous
+    state_ptr,  # [rows, n_fields] int8 debug states
     err_ptr,  # [4] int32 debug error record
     max_reqs,
+    OUT_MODES: tl.constexpr,  # backend.strides_of mode per output
     WIDTHS: tl.constexpr,
     BLOCKS: tl.constexpr,
     STARTS: tl.constexpr,  # first chunk column of each field, then the total
-    PUBLISH_FIELD_ID: tl.constexpr,  # error attribution for the publish group
+    FIELD_IDS: tl.constexpr,  # relay field id of each field: its debug state column
+    N_FIELDS: tl.constexpr,
     DEBUG: tl.constexpr,
 ):
     i = tl.program_id(0)
     c = tl.program_id(1)
-    slot = _load_slot(idx_ptr, i, c, max_reqs, err_ptr, DEBUG)
-    _copy_fields(bufs, slot, outs, i, c, WIDTHS, BLOCKS, STARTS)
+    slot = _load_slot(idx_ptr, idx_stride, i, c, max_reqs, err_ptr, DEBUG)
+    _copy_fields(outs, out_strides, OUT_MODES, i, bufs, slot, c, False, WIDTHS, BLOCKS, STARTS)
     if DEBUG:
         # One program per batch row owns the consume-once bookkeeping; padding is exempt.
         if (c == 0) & (slot != 0):
-            _consume(state_ptr, err_ptr, slot, 0, 0)
-            _consume(state_ptr, err_ptr, slot, 1, PUBLISH_FIELD_ID)
+            for f in tl.static_range(len(FIELD_IDS)):
+                state = tl.load(state_ptr + slot * N_FIELDS + FIELD_IDS[f])
+                if state != _FRESH:
+                    code = tl.where(state == _UNWRITTEN, _ERR_UNWRITTEN, _ERR_CONSUMED)
+                    _record_error(err_ptr, code, slot.to(tl.int32), FIELD_IDS[f])
+                tl.store(state_ptr + slot * N_FIELDS + FIELD_IDS[f], _CONSUMED)
 
 
 @triton.jit
 def scatter_kernel(
     idx_ptr,  # [bs]
-    srcs,  # tuple: payload tensors [bs, width_f]
-    bufs,  # tuple: relay buffers [rows, width_f]
+    idx_stride,
+    srcs,  # tuple: payload tensors [bs, width_f], any strides
+    bufs,  # tuple: relay buffers [rows, width_f], contiguous
+    src_strides,  # tuple of (s0, s1, s2) per payload tensor, or None when all are contiguous
     state_ptr,
     err_ptr,
     max_reqs,
+    SRC_MODES: tl.constexpr,
     WIDTHS: tl.constexpr,
     BLOCKS: tl.constexpr,
     STARTS: tl.constexpr,
-    GROUPS: tl.constexpr,  # tuple of groups this launch writes (0 stash, 1 publish)
+    FIELD_IDS: tl.constexpr,
+    N_FIELDS: tl.constexpr,
     DEBUG: tl.constexpr,
 ):
     i = tl.program_id(0)
     c = tl.program_id(1)
-    slot = _load_slot(idx_ptr, i, c, max_reqs, err_ptr, DEBUG)
+    slot = _load_slot(idx_ptr, idx_stride, i, c, max_reqs, err_ptr, DEBUG)
     if slot != 0:  # writes to padding row 0 are dropped: it must keep its fill values
-        _copy_fields(srcs, i, bufs, slot, c, WIDTHS, BLOCKS, STARTS)
+        _copy_fields(srcs, src_strides, SRC_MODES, i, bufs, slot, c, True, WIDTHS, BLOCKS, STARTS)
         if DEBUG:
             if c == 0:
-                for g in tl.static_range(len(GROUPS)):
-                    tl.store(state_ptr + slot * 2 + GROUPS[g], _FRESH)
-
-
-NUM_WARPS = 4  # per program
-
-
-def chunk_bytes(bs: int) -> int:
-    """Bytes one program copies. Small batches want many programs (a batch of 1 would leave
-    most of the GPU idle); large ones want fewer, fatter programs (less block scheduling).
-    Measured on an H200, EAGLE fields: 2 KiB is best up to ~64 rows, 4 KiB above."""
-    return 2048 if bs <= 64 else 4096
-
-
-class Layout(tuple):
-    """(WIDTHS, BLOCKS, STARTS) constexpr tuples for a list of (width, itemsize) fields split in
-    chunks of at most `max_bytes`, and the grid's chunk count `STARTS[-1]`."""
-
-    @classmethod
-    def of(cls, fields: list[tuple[int, int]], max_bytes: int) -> "Layout":
-        widths = tuple(w for w, _ in fields)
-        blocks = tuple(min(triton.next_power_of_2(w), max(1, max_bytes // size)) for w, size in fields)
-        starts = [0]
-        for w, b in zip(widths, blocks):
-            starts.append(starts[-1] + triton.cdiv(w, b))
-        return cls((widths, blocks, tuple(starts)))
-
-    @property
-    def chunks(self) -> int:
-        return self[2][-1]
+                for f in tl.static_range(len(FIELD_IDS)):
+                    tl.store(state_ptr + slot * N_FIELDS + FIELD_IDS[f], _FRESH)

@@ -1,6 +1,6 @@
 """Host mirror: per-iteration values the CPU needs (sampled tokens, seq lens, accept lengths,
 confidence), written by captured device code into a mapped pinned ring and read by the CPU
-one or more iterations late, without ever blocking the GPU (DESIGN.md §2.6-2.7).
+one or more iterations late, without ever blocking the GPU (docs/design.md §2.6-2.7).
 
 Lag model. Iteration i's write lands in ring slot `i % depth`, chosen on the device by a
 counter the mirror owns (a Python int would be frozen into the graph). The host records an
@@ -9,9 +9,10 @@ Iteration i + depth reuses i's ring slot, so i is readable only while fewer than
 iterations were launched after it: size `depth >= (launched iteration - read iteration) + 1`.
 An overlap loop that launches N, then reads N-2 (SGLang's lag) needs depth 3, the default.
 
-Each row carries its pool slot's generation at write time; a reader compares it with the
-slot's current generation (`relay.host_generation`), so a slot freed and given to a new
-request never serves the old request's values as the new one's: those rows are `stale`.
+A mirror is bound to its relay: each row carries its pool slot's generation at write time
+(read from `relay.generation` on the device), and a reader compares it with the slot's
+current generation (`relay.host_generation`), so a slot freed and given to a new request
+never serves the old request's values as the new one's: those rows are `stale`.
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ from typing import Optional
 import msgspec
 import torch
 
+from . import reference, validation
+from .backend import triton_module
 from .config import RelayConfig
-from .mirror_kernels import RingArrays, write_ring_torch, write_ring_triton
-from .runtime import Closeable, Event, PinnedRing, resolve_device
+from .reference import RingArrays
+from .relay import Relay
+from .runtime import Closeable, Event, PinnedRing
 
 _ALIGN = 128  # bytes between ring arrays: whole cache lines, and 16-byte aligned for Triton
 _ROW_FIELDS = ("slots", "generation", "tokens", "seq_lens", "stale", "accept_len", "confidence")
@@ -84,48 +88,47 @@ def _ring_fields(config: RelayConfig, depth: int) -> list[tuple[str, torch.dtype
     return fields
 
 
-def _is_int(t: torch.Tensor) -> bool:
-    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+class HostMirror(Closeable, validation.Validating):
+    """A ring of `depth` iterations of host-visible values, in ONE `PinnedRing` allocated here,
+    bound to `relay` (its config, device and generation tables).
 
+    Device side: `write(indices, tokens, seq_lens, ...)` (capturable, one launch on CUDA).
+    Host side: `record(i, stream)` right after launching iteration i, then `poll(i)` (never
+    blocks) or `wait(i)`. Size `depth >= max lag between the iteration being launched and
+    the one being read + 1`. Warm-up runs advance the device counter: call `reset()` after
+    warm-up and capture.
 
-class HostMirror(Closeable):
-    """A ring of `depth` iterations of host-visible values, in ONE `PinnedRing` allocated here.
-
-    Device side: `write(...)` (capturable, one launch on CUDA). Host side: `record(i, stream)`
-    right after launching iteration i, then `poll(i, gen)` (never blocks) or `wait(i, gen)`.
-    Size `depth >= max lag between the iteration being launched and the one being read + 1`.
-    Warm-up runs advance the device counter: call `reset()` after warm-up and capture.
-
-    In host mode (device cpu) the write runs synchronously and events are always fired.
-    `use_triton` (default: on CUDA) picks the fused kernel over the torch reference; on CPU
-    it needs TRITON_INTERPRET=1 (the tests use it to compare the two). `validate=False` skips
-    the host-side checks of `write` (they read index values, a sync) for hot paths whose
-    slots were validated where they were assigned.
+    In host mode (relay on cpu) the write runs synchronously and events are always fired.
+    `use_triton` (default: on CUDA) picks the fused kernel over the torch reference, importing
+    Triton then; on CPU it needs TRITON_INTERPRET=1 (the tests use it to compare the two).
+    `validate=False` skips the host-side checks of `write` (they read index and value data, a
+    sync) for hot paths whose slots were validated where they were assigned; for one block,
+    use `with mirror.validation(False): ...`.
     """
 
-    def __init__(
-        self,
-        config: RelayConfig,
-        device,
-        depth: int = 3,
-        use_triton: Optional[bool] = None,
-        validate: bool = True,
-    ):
+    def __init__(self, relay: Relay, depth: int = 3, *, use_triton: Optional[bool] = None, validate: bool = True):
+        if not isinstance(relay, Relay):
+            raise ValueError(
+                f"HostMirror takes the Relay it mirrors, e.g. HostMirror(relay, depth=3), got {type(relay).__name__}"
+            )
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
             raise ValueError(f"HostMirror depth must be a positive int (lag + 1), got {depth!r}")
-        self.config = config
+        if use_triton is not None:
+            validation.require_bool("HostMirror(use_triton=...)", use_triton)
+        self._init_validation(validate)
+        self.relay = relay
+        self.config: RelayConfig = relay.config
         self.depth = depth
-        self.validate = validate
-        self.device = resolve_device(device)
+        self.device = relay.device
         self.on_gpu = self.device.type == "cuda"
         use_triton = self.on_gpu if use_triton is None else use_triton
         if use_triton and not self.on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
                 "use_triton on a CPU mirror needs TRITON_INTERPRET=1 set before importing triton"
             )
-        self._write_ring = write_ring_triton if use_triton else write_ring_torch
+        self._write_ring = triton_module("mirror_kernels").write_ring if use_triton else reference.write_ring
 
-        fields = _ring_fields(config, depth)
+        fields = _ring_fields(self.config, depth)
         offsets, end = [], 0
         for _, dtype, shape in fields:
             offsets.append(end)
@@ -154,7 +157,6 @@ class HostMirror(Closeable):
     def write(
         self,
         indices: torch.Tensor,
-        generation: torch.Tensor,
         tokens: torch.Tensor,
         seq_lens: torch.Tensor,
         accept_len: Optional[torch.Tensor] = None,
@@ -162,20 +164,22 @@ class HostMirror(Closeable):
     ) -> None:
         """Write this iteration's values into ring slot `counter % depth`, then bump the counter.
 
-        indices `[bs]` pool slots (0 = padding), generation `[max_reqs + 1]` int64 (the relay's
-        device generation table, gathered at `indices`), tokens/seq_lens/accept_len `[bs]`,
-        confidence `[bs, *shape]`. Fixed shape in bs, no sync, no allocation on the Triton
-        path: call it inside the captured graph. Outside capture, bad input raises before
-        anything is written.
+        indices `[bs]` pool slots (0 = padding), tokens/seq_lens/accept_len `[bs]`, confidence
+        `[bs, *shape]`, any strided views; each slot's generation comes from the relay's
+        device table. Values are cast on store like the relay casts them (any integer dtype
+        for integer fields, any float dtype but float64 for confidence). Fixed shape in bs,
+        no sync, no allocation on the Triton path: call it inside the captured graph. Outside
+        capture (with validation on), bad input, or a value that does not fit the ring's
+        dtype, raises before anything is written.
         """
         self._require_open()
-        if self.validate and not (self.on_gpu and torch.cuda.is_current_stream_capturing()):
-            self._validate(indices, generation, tokens, seq_lens, accept_len, confidence)
+        if self._checking():
+            self._validate_write(indices, tokens, seq_lens, accept_len, confidence)
         self._write_ring(
-            self._device, self._counter, indices, generation, tokens, seq_lens, accept_len, confidence
+            self._device, self._counter, indices, self.relay.generation, tokens, seq_lens, accept_len, confidence
         )
 
-    def _validate(self, indices, generation, tokens, seq_lens, accept_len, confidence) -> None:
+    def _validate_write(self, indices, tokens, seq_lens, accept_len, confidence) -> None:
         cfg = self.config
         if not isinstance(indices, torch.Tensor) or indices.dim() != 1:
             raise ValueError("HostMirror.write: indices must be a 1-D tensor [bs] of pool slots")
@@ -185,54 +189,33 @@ class HostMirror(Closeable):
                 f"HostMirror.write: bs = {bs} exceeds max_batch = {cfg.max_batch}; "
                 "raise RelayConfig.max_batch"
             )
-        is_index = lambda t: t.dtype in (torch.int32, torch.int64)  # noqa: E731
-        self._expect("indices", indices, (bs,), is_index, "int32 or int64")
-        self._expect("generation", generation, (cfg.rows,), lambda t: t.dtype == torch.int64,
-                     "int64 (the relay's generation table)")
-        self._expect("tokens", tokens, (bs,), _is_int, "an integer dtype")
-        self._expect("seq_lens", seq_lens, (bs,), _is_int, "an integer dtype")
-        if self._expect_declared("accept_len", accept_len, cfg.accept_len):
-            self._expect("accept_len", accept_len, (bs,), _is_int, "an integer dtype")
-        if self._expect_declared("confidence", confidence, cfg.confidence):
-            # NOTE: no float cast on store: rounding modes differ (the Triton interpreter
-            # truncates to bfloat16), so the ring would not be bit-exact across paths.
-            dtype = cfg.confidence.torch_dtype
-            self._expect("confidence", confidence, (bs, *cfg.confidence.shape),
-                         lambda t: t.dtype == dtype, f"{dtype} (the config's dtype): cast it in the step")
+        if indices.dtype not in validation.INDEX_DTYPES:
+            raise ValueError(f"HostMirror.write: indices has dtype {indices.dtype}; it must be int32 or int64")
+        if indices.device != self.device:
+            raise ValueError(
+                f"HostMirror.write: indices is on {indices.device}; the mirror lives on {self.device}: "
+                f"move it with .to({str(self.device)!r})"
+            )
+        values = {"tokens": tokens, "seq_lens": seq_lens}
+        for name, value in (("accept_len", accept_len), ("confidence", confidence)):
+            declared = getattr(cfg, name) is not None
+            if not declared and value is not None:
+                raise ValueError(
+                    f"HostMirror.write: the config declares no {name}; drop the argument or "
+                    f"declare RelayConfig.{name}"
+                )
+            if declared and value is None:
+                raise ValueError(f"HostMirror.write: the config declares {name}; pass {name}=")
+            if declared:
+                values[name] = value
+        for name, value in values.items():
+            validation.check_field(self.relay.field(name), value, bs, self.device, role="HostMirror.write")
         out_of_range = (indices < 0) | (indices > cfg.max_reqs)
         if bool(out_of_range.any()):
             raise IndexError(
                 f"HostMirror.write: indices {indices[out_of_range].tolist()} outside "
                 f"0..max_reqs = {cfg.max_reqs}"
             )
-
-    def _expect(self, name, value, shape, dtype_ok, dtype_hint) -> None:
-        where = f"HostMirror.write: {name}"
-        if not isinstance(value, torch.Tensor):
-            raise ValueError(f"{where} must be a tensor, got {type(value).__name__}")
-        if value.device != self.device:
-            raise ValueError(
-                f"{where} is on {value.device}; the mirror lives on {self.device}: "
-                f"move it with .to({str(self.device)!r})"
-            )
-        if tuple(value.shape) != shape:
-            raise ValueError(f"{where} has shape {tuple(value.shape)}, expected {shape}")
-        if not dtype_ok(value):
-            raise ValueError(f"{where} has dtype {value.dtype}; it must be {dtype_hint}")
-        if not value.is_contiguous():
-            raise ValueError(f"{where} must be contiguous: pass {name}.contiguous()")
-
-    @staticmethod
-    def _expect_declared(name, value, spec) -> bool:
-        """Whether an optional field is to be checked; raises if the config disagrees."""
-        if spec is None and value is not None:
-            raise ValueError(
-                f"HostMirror.write: the config declares no {name}; drop the argument or "
-                f"declare RelayConfig.{name}"
-            )
-        if spec is not None and value is None:
-            raise ValueError(f"HostMirror.write: the config declares {name}; pass {name}=")
-        return value is not None
 
     # ---- host side --------------------------------------------------------------------------
 
@@ -251,20 +234,20 @@ class HostMirror(Closeable):
         self._events[iteration % self.depth].record(stream)
         self._last_recorded = iteration
 
-    def poll(self, iteration: int, current_generation: torch.Tensor) -> Optional[MirrorRead]:
-        """Iteration `iteration`'s values if its work finished, else None; never blocks.
-        `current_generation` is the CPU int64 `[max_reqs + 1]` table (`relay.host_generation`).
-        Raises MirrorOverrun if the ring slot was reused (the reader fell `depth` behind)."""
+    def poll(self, iteration: int) -> Optional[MirrorRead]:
+        """Iteration `iteration`'s values if its work finished, else None; never blocks. Rows
+        whose slot the relay has since admitted again come back `stale`. Raises
+        MirrorOverrun if the ring slot was reused (the reader fell `depth` behind)."""
         ring_slot = self._readable_slot(iteration)
         if not self._events[ring_slot].query():
             return None
-        return self._read(iteration, ring_slot, current_generation)
+        return self._read(iteration, ring_slot)
 
-    def wait(self, iteration: int, current_generation: torch.Tensor) -> MirrorRead:
+    def wait(self, iteration: int) -> MirrorRead:
         """Like `poll`, but blocks the host until the iteration's work finished."""
         ring_slot = self._readable_slot(iteration)
         self._events[ring_slot].synchronize()
-        return self._read(iteration, ring_slot, current_generation)
+        return self._read(iteration, ring_slot)
 
     def _readable_slot(self, iteration: int) -> int:
         self._require_open()
@@ -282,18 +265,7 @@ class HostMirror(Closeable):
             )
         return iteration % self.depth
 
-    def _read(self, iteration: int, ring_slot: int, current_generation: torch.Tensor) -> MirrorRead:
-        rows = self.config.rows
-        if (
-            not isinstance(current_generation, torch.Tensor)
-            or current_generation.device.type != "cpu"
-            or current_generation.dtype != torch.int64
-            or tuple(current_generation.shape) != (rows,)
-        ):
-            raise ValueError(
-                f"HostMirror: current_generation must be a CPU int64 [{rows}] tensor "
-                "(relay.host_generation), not the device table"
-            )
+    def _read(self, iteration: int, ring_slot: int) -> MirrorRead:
         host = self._host
         stamp = int(host.stamps[ring_slot])
         if stamp != iteration:
@@ -313,7 +285,7 @@ class HostMirror(Closeable):
             generation=host.generation[ring_slot, :n],
             tokens=host.tokens[ring_slot, :n],
             seq_lens=host.seq_lens[ring_slot, :n],
-            stale=host.generation[ring_slot, :n] != current_generation[slots],
+            stale=host.generation[ring_slot, :n] != self.relay.host_generation[slots],
             accept_len=None if host.accept_len is None else host.accept_len[ring_slot, :n],
             confidence=confidence,
         )

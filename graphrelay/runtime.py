@@ -1,4 +1,4 @@
-"""cuda-python runtime layer: events, streams and mapped pinned host memory (DESIGN.md §2.6).
+"""cuda-python runtime layer: events, streams and mapped pinned host memory (docs/design.md §2.6).
 
 Everything here is created *before* any CUDA graph capture and never inside one: creating an
 `Event`, `Stream` or `PinnedRing` while the current stream is capturing raises.

@@ -72,7 +72,7 @@ def build_stack(
     # warm-up and capture forbid; the scheduler validates slots where it assigns them.
     relay = Relay(cfg, device, validate=False)
     model = LlamaModel(MODEL, max_reqs, device)
-    mirror = HostMirror(cfg, device, depth=depth, validate=False)
+    mirror = HostMirror(relay, depth=depth, validate=False)
     inputs = DecodeInputs(max_batch, device)
     step = DecodeStep(relay, model, mirror, inputs)
     runner = GraphRunner(step, list(buckets) if buckets else default_buckets(max_batch), max_batch, device,
@@ -135,7 +135,7 @@ class Driver:
         logits), as a [1] device tensor, after putting it and the seq len into the relay."""
         s = self.stack
         s.relay.admit([slot])
-        logits = s.model.prefill(slot, torch.tensor(prompt, dtype=torch.int64))  # [vocab]
+        logits = s.model.prefill([slot], [list(prompt)])[0]  # [vocab]
         token = logits.argmax().view(1)
         index = torch.tensor([slot], dtype=torch.int64, device=s.relay.device)
         s.relay.stash(index, RelayPayload(tokens=token))
@@ -168,7 +168,7 @@ class Driver:
         return self.launch(plan.batch)
 
     def read(self, iteration: int) -> MirrorRead:
-        return self.stack.mirror.wait(iteration, self.stack.relay.host_generation)
+        return self.stack.mirror.wait(iteration)
 
 
 # ---- schedules ------------------------------------------------------------------------------

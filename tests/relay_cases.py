@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from hypothesis import strategies as st
 
 from graphrelay import FieldSpec, Relay, RelayConfig, RelayPayload
 from graphrelay.fields import PUBLISH, STASH
@@ -78,7 +79,7 @@ def snapshot(relay: Relay) -> dict[str, torch.Tensor]:
 def bits(t: torch.Tensor) -> torch.Tensor:
     """A bit-pattern view in which every NaN reads as one canonical NaN (a NaN's payload bits
     are implementation-defined across torch's own CPU and CUDA casts); -0.0 and 0.0 differ."""
-    t = t.contiguous()
+    t = t.clone(memory_format=torch.contiguous_format)  # dense strides, even for size-1 dims
     if t.dtype.is_floating_point:
         t = torch.where(torch.isnan(t), torch.full_like(t, float("nan")), t)
     return t.reshape(-1).view(torch.uint8)
@@ -88,3 +89,29 @@ def assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(bits(a[name]), bits(b[name])), f"{name} differs"
+
+
+# ---- strided views: the same values, laid out the way callers' views can be -----------------
+
+GAP = 101  # what the memory between a view's elements holds: reading it instead shows
+
+
+@st.composite
+def layouts(draw, ndim: int):
+    """How to lay out an ndim tensor: its dims' order in memory, and per dim a step (every
+    step-th element) and a start offset. Identity order, steps 1, offsets 0 is contiguous."""
+    order = tuple(draw(st.permutations(range(ndim))))
+    steps = tuple(draw(st.lists(st.integers(1, 3), min_size=ndim, max_size=ndim)))
+    starts = tuple(draw(st.lists(st.integers(0, 2), min_size=ndim, max_size=ndim)))
+    return order, steps, starts
+
+
+def strided_copy(t: torch.Tensor, layout) -> torch.Tensor:
+    """A view holding `t`'s values in `layout`, inside a larger buffer filled with GAP."""
+    order, steps, starts = layout
+    full = [start + step * n for n, step, start in zip(t.shape, steps, starts)]
+    memory = torch.full([full[d] for d in order], GAP, dtype=t.dtype, device=t.device)
+    logical = memory.permute([order.index(d) for d in range(t.dim())])
+    view = logical[tuple(slice(start, start + step * n, step) for n, step, start in zip(t.shape, steps, starts))]
+    view.copy_(t)
+    return view

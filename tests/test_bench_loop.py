@@ -7,7 +7,7 @@ import json
 import torch
 
 from tools.bench import bench_main
-from tools.bench.loop import MODES
+from tools.bench.loop import MODES, plot_panels
 
 
 def test_smoke_runs_every_mode_and_writes_json_and_png(tmp_path, capsys, monkeypatch):
@@ -29,6 +29,10 @@ def test_smoke_runs_every_mode_and_writes_json_and_png(tmp_path, capsys, monkeyp
     assert names == ["tiny: overlap iteration / max(CPU, GPU)", "tiny: host syncs per iteration (overlap)"]
     assert "tiny overlap" in printed
     assert (tmp_path / report["plot"]).read_bytes().startswith(b"\x89PNG")
+    (panel,) = plot_panels(rows)  # grouped bars: a group per mode, a bar per measured metric
+    assert list(panel.categories) == list(MODES)
+    assert [s.label for s in panel.series] == ["iteration (host, mean)", "CPU scheduling"]  # CPU: no GPU timing
+    assert list(panel.series[0].values) == [r["iter_ms_mean"] * 1e3 for r in rows]
 
 
 def test_unknown_model_exits_2(capsys, monkeypatch):

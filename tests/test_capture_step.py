@@ -126,7 +126,7 @@ def test_step_rejects_mismatched_parts():
     surface as an out-of-bounds index inside a captured graph instead of a clear error."""
     cfg = RelayConfig.plain(4, 4)
     relay = Relay(cfg, "cpu", validate=False)
-    mirror = HostMirror(cfg, "cpu", validate=False)
+    mirror = HostMirror(relay, validate=False)
     with pytest.raises(ValueError, match="max_batch"):
         DecodeStep(relay, LlamaModel(MODEL, 4, "cpu"), mirror, DecodeInputs(8, "cpu"))
     with pytest.raises(ValueError, match="max_reqs"):

@@ -38,6 +38,13 @@ def test_json_round_trip_and_toml(tmp_path):
         (dict(max_reqs=4, max_batch=2, topk_p=FieldSpec((4,), "float32"), topk_index=FieldSpec((3,), "int64")), "must equal"),
         (dict(max_reqs=4, max_batch=2, sparse_topk=FieldSpec((4,), "float32")), "sparse_topk.dtype"),
         (dict(max_reqs=4, max_batch=2, accept_len=FieldSpec((2,), "int32")), "accept_len"),
+        (dict(max_reqs=4, max_batch=2, pad_token_id=1.5), r"pad_token_id must be an int .*got 1.5"),
+        (dict(max_reqs=4, max_batch=2, pad_token_id=True), "pad_token_id must be an int"),
+        (dict(max_reqs=4, max_batch=2, pad_token_id=2**31), r"pad_token_id must be in \[0, 2147483647\].*int32"),
+        (dict(max_reqs=4, max_batch=2, token_dtype="int16", pad_token_id=40000), r"\[0, 32767\]"),
+        (dict(max_reqs=4, max_batch=2, seq_len_fill=2.0), "seq_len_fill must be an int"),
+        (dict(max_reqs=4, max_batch=2, seq_len_dtype="int8", seq_len_fill=128), r"seq_len_fill must be in \[0, 127\]"),
+        (dict(max_reqs=4, max_batch=2, debug="false"), "debug must be True or False"),
     ],
 )
 def test_validation(kwargs, message):
@@ -59,3 +66,28 @@ def test_bad_files(tmp_path):
         RelayConfig.from_json(b'{"max_reqs": 4, "max_batch": 2, "typo_field": 1}')
     with pytest.raises(ValueError, match=r"\.json or \.toml"):
         RelayConfig.load(tmp_path / "relay.yaml")
+
+
+def test_fill_values_at_the_dtype_limits_are_accepted():
+    config = RelayConfig(max_reqs=4, max_batch=2, token_dtype="int64", pad_token_id=2**40, seq_len_fill=0)
+    assert config.pad_token_id == 2**40
+
+
+@pytest.mark.parametrize("raw", ["1", "true", "TRUE", "Yes", "on", " On "])
+def test_debug_switch_truthy_spellings(monkeypatch, raw):
+    monkeypatch.setenv("GRAPHRELAY_DEBUG", raw)
+    assert RelayConfig.plain(4, 2).debug_enabled
+
+
+@pytest.mark.parametrize("raw", ["", "0", "false", "False", "no", "OFF"])
+def test_debug_switch_falsy_spellings(monkeypatch, raw):
+    monkeypatch.setenv("GRAPHRELAY_DEBUG", raw)
+    assert not RelayConfig.plain(4, 2).debug_enabled
+    assert RelayConfig.plain(4, 2, debug=True).debug_enabled
+
+
+@pytest.mark.parametrize("raw", ["2", "enabled", "y"])
+def test_debug_switch_rejects_other_values(monkeypatch, raw):
+    monkeypatch.setenv("GRAPHRELAY_DEBUG", raw)
+    with pytest.raises(ValueError, match=f"GRAPHRELAY_DEBUG={raw!r} is not a boolean.*1/0, true/false, yes/no, on/off"):
+        RelayConfig.plain(4, 2).debug_enabled

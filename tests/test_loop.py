@@ -72,7 +72,7 @@ def test_every_request_stops_exactly_at_its_stop_token_or_limit(device):
         for t in out.tokens[1:]:
             counts[t] = counts.get(t, 0) + 1
     stop = max(counts, key=counts.get)
-    requests = workload(stop_token=stop)
+    requests = workload(stop_tokens=(stop,))
     result = serve("overlap", requests, device)
     stopped = 0
     for r in requests:

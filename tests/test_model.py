@@ -22,7 +22,7 @@ def prefilled_model(config: ModelConfig = ModelConfig()) -> tuple[LlamaModel, di
     model = LlamaModel(config, MAX_REQS, "cpu")
     sequences = {}
     for slot, prompt in PROMPTS.items():
-        logits = model.prefill(slot, torch.tensor(prompt))
+        logits = model.prefill([slot], [prompt])[0]
         sequences[slot] = prompt + [int(logits.argmax())]
     return model, sequences
 
@@ -50,7 +50,7 @@ def real_cache_rows(model):
 def test_prefill_matches_reference():
     model = LlamaModel(ModelConfig(), MAX_REQS, "cpu")
     for slot, prompt in PROMPTS.items():
-        logits = model.prefill(slot, torch.tensor(prompt))
+        logits = model.prefill([slot], [prompt])[0]
         assert logits.shape == (512,) and logits.dtype == torch.float32
         torch.testing.assert_close(logits, reference_logits(model, prompt), rtol=1e-4, atol=1e-4)
 
@@ -84,7 +84,7 @@ def test_decode_then_prefill_into_reused_slot_forgets_old_request():
     model, sequences = prefilled_model()
     decode_rows(model, live_rows(sequences, [1]))
     new_prompt = [7, 7]
-    model.prefill(1, torch.tensor(new_prompt))
+    model.prefill([1], [new_prompt])
     logits = decode_rows(model, [(5, 1, 2)])
     torch.testing.assert_close(logits[0], reference_logits(model, new_prompt + [5]), rtol=1e-4, atol=1e-4)
 
@@ -200,24 +200,48 @@ def test_decode_and_sample_have_no_host_syncs():
         (0, [1, 2], "slot 0 is padding"),
         (MAX_REQS + 1, [1], "slot must be an int in 1..6"),
         (True, [1], "slot must be an int"),
-        (1, [], "length 0"),
+        (1, [], "at least one token"),
         (1, list(range(257)), "max_seq_len"),
-        (1, [1, 512], "token_ids holds 512"),
-        (1, [-1], "token_ids holds -1"),
+        (1, [1, 512], "token id outside 0..511"),
+        (1, [-1], "token id outside"),
+        (1, [1.5], "token id outside"),
     ],
 )
 def test_prefill_rejects_bad_input(slot, tokens, match):
     model = LlamaModel(ModelConfig(), MAX_REQS, "cpu")
     with pytest.raises(ValueError, match=match):
-        model.prefill(slot, torch.tensor(tokens, dtype=torch.int64))
+        model.prefill([slot], [tokens])
     assert all(not cache.any() for cache in model.kv_cache.keys), "a rejected prefill wrote the cache"
 
 
-def test_prefill_rejects_non_integer_or_2d_tokens():
+def test_batched_chunked_prefill_equals_one_prompt_at_a_time():
+    """Three prompts in one padded forward, and the longest again in two chunks, give the same
+    last-token logits as prefilling each prompt alone, and the same cache rows."""
+    prompts = {1: [3, 1, 4, 1, 5, 9, 2], 2: [6, 5], 3: [3, 5, 8, 9, 7, 9, 3, 2, 3]}
+    alone = LlamaModel(ModelConfig(), MAX_REQS, "cpu")
+    expected = {s: alone.prefill([s], [p])[0] for s, p in prompts.items()}
+    batched = LlamaModel(ModelConfig(), MAX_REQS, "cpu")
+    got = batched.prefill(list(prompts), list(prompts.values()))
+    for row, slot in enumerate(prompts):
+        torch.testing.assert_close(got[row], expected[slot], rtol=1e-5, atol=1e-5)
+    chunked = LlamaModel(ModelConfig(), MAX_REQS, "cpu")
+    chunked.prefill([3, 2], [prompts[3][:4], prompts[2]])
+    tail = chunked.prefill([3], [prompts[3][4:]], [4])[0]
+    torch.testing.assert_close(tail, expected[3], rtol=1e-5, atol=1e-5)
+    for layer in range(ModelConfig().num_layers):
+        torch.testing.assert_close(chunked.kv_cache.keys[layer][3], alone.kv_cache.keys[layer][3], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(batched.kv_cache.values[layer][1:4], alone.kv_cache.values[layer][1:4], rtol=1e-5, atol=1e-5)
+    assert not batched.kv_cache.keys[0][4:].any(), "padding tokens wrote a request's rows"
+
+
+def test_prefill_rejects_mismatched_batches():
     model = LlamaModel(ModelConfig(), MAX_REQS, "cpu")
-    for bad in (torch.tensor([1.0, 2.0]), torch.tensor([[1, 2]]), [1, 2]):
-        with pytest.raises(ValueError, match="1-D integer tensor"):
-            model.prefill(1, bad)
+    with pytest.raises(ValueError, match="one chunk and one start per slot"):
+        model.prefill([1, 2], [[1]])
+    with pytest.raises(ValueError, match="slots repeat"):
+        model.prefill([1, 1], [[1], [2]])
+    with pytest.raises(ValueError, match="start -1"):
+        model.prefill([1], [[1]], [-1])
 
 
 def test_decode_rejects_bad_metadata():
@@ -289,16 +313,19 @@ def test_presets():
     small, medium = ModelConfig.preset("small"), ModelConfig.preset("medium")
     assert (small.hidden_size, small.num_layers, small.head_dim, small.dtype) == (1024, 8, 64, "bfloat16")
     assert (medium.hidden_size, medium.num_layers, medium.kv_groups) == (2048, 16, 2)
-    assert set(MODEL_PRESETS) == {"tiny", "small", "medium"}
+    smol = ModelConfig.preset("smollm2-135m")
+    assert (smol.vocab_size, smol.num_layers, smol.num_heads, smol.num_kv_heads, smol.head_dim) == (49152, 30, 9, 3, 64)
+    assert smol.tie_word_embeddings and smol.rope_theta == 100000.0
+    assert set(MODEL_PRESETS) == {"tiny", "small", "medium", "smollm2-135m"}
     with pytest.raises(ValueError, match="unknown model preset 'huge'"):
         ModelConfig.preset("huge")
 
 
 def test_weights_are_seeded():
-    prompt = torch.tensor([5, 6, 7])
-    a = LlamaModel(ModelConfig(seed=3), 1, "cpu").prefill(1, prompt)
-    b = LlamaModel(ModelConfig(seed=3), 1, "cpu").prefill(1, prompt)
-    c = LlamaModel(ModelConfig(seed=4), 1, "cpu").prefill(1, prompt)
+    prompt = [5, 6, 7]
+    a = LlamaModel(ModelConfig(seed=3), 1, "cpu").prefill([1], [prompt])[0]
+    b = LlamaModel(ModelConfig(seed=3), 1, "cpu").prefill([1], [prompt])[0]
+    c = LlamaModel(ModelConfig(seed=4), 1, "cpu").prefill([1], [prompt])[0]
     assert torch.equal(a, b) and not torch.allclose(a, c)
     # Unit-scale weights keep logits sane rather than saturated or vanishing.
     assert 0.3 < float(a.std()) < 3.0
@@ -310,7 +337,7 @@ def test_tied_embeddings_and_half_precision_run():
     assert model.kv_cache.keys[0].dtype == torch.bfloat16
     assert model.kv_cache.keys[0].shape == (3, 256, 2, 16)
     prompt = [4, 9, 2]
-    model.prefill(2, torch.tensor(prompt))
+    model.prefill([2], [prompt])
     logits = decode_rows(model, [(11, 2, 3), (0, 0, 1)])
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
     # bf16 rounding differs between paths, so compare loosely.

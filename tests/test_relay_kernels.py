@@ -95,11 +95,11 @@ def test_gather_casts_into_out_dtype(backend, device):
 
 
 def test_large_buckets_use_wider_chunks_and_still_match(device):
-    """Buckets above 64 rows split rows into fewer, wider chunks (kernels.chunk_bytes)."""
-    from graphrelay import kernels
+    """Buckets above 64 rows split rows into fewer, wider chunks (backend.chunk_bytes)."""
+    from graphrelay.backend import chunk_bytes
 
     bs = 96
-    assert kernels.chunk_bytes(bs) != kernels.chunk_bytes(1)
+    assert chunk_bytes(bs) != chunk_bytes(1)
     config = full_config(max_reqs=128, max_batch=bs, hidden=FieldSpec((1500,), "bfloat16"))
     states = []
     for backend in ("torch", "triton"):

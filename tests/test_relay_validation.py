@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
@@ -71,7 +72,7 @@ def test_index_dtype_device_and_rank(relay):
     assert_same_state(before, snapshot(relay))
 
 
-def test_payload_shape_dtype_contiguity_and_missing_fields(relay):
+def test_payload_shape_dtype_and_missing_fields(relay):
     idx, payload, seq_lens, confidence = good_inputs(relay)
     before = snapshot(relay)
     cases = [
@@ -83,9 +84,6 @@ def test_payload_shape_dtype_contiguity_and_missing_fields(relay):
     for bad, message in cases:
         with pytest.raises(ValueError, match=message):
             relay.stash(idx, bad)
-    hidden_t = torch.randn(40, 2).t()  # [2, 40], not contiguous
-    with pytest.raises(ValueError, match="contiguous"):
-        relay.stash(idx, payload.__class__(**{**_fields(payload), "hidden": hidden_t}))
     with pytest.raises(ValueError, match="publish.seq_lens has shape"):
         relay.publish(idx, seq_lens[:1], confidence)
     with pytest.raises(ValueError, match="confidence is missing"):
@@ -137,3 +135,85 @@ def test_admit_rejects_padding_out_of_range_and_duplicates(relay):
 
 def _fields(struct) -> dict:
     return {name: getattr(struct, name) for name in struct.__struct_fields__}
+
+
+# ---- values that do not fit the relay's dtypes are rejected, not wrapped --------------------
+
+
+def test_a_token_too_large_for_the_token_dtype_is_rejected(relay):
+    idx, payload, seq_lens, confidence = good_inputs(relay)
+    before = snapshot(relay)
+    big = msgspec.structs.replace(payload, tokens=torch.tensor([2**40, 1]))  # int32 storage: would be 0
+    with pytest.raises(ValueError, match=r"payload.tokens holds 1099511627776, which does not fit .*torch.int32.*RelayConfig.token_dtype"):
+        relay.stash_and_publish(idx, big, seq_lens, confidence)
+    assert_same_state(before, snapshot(relay))
+
+
+def test_a_seq_len_too_large_for_the_seq_len_dtype_is_rejected(relay):
+    idx, _, seq_lens, confidence = good_inputs(relay)
+    before = snapshot(relay)
+    with pytest.raises(ValueError, match=r"publish.seq_lens holds 1099511627779,.*RelayConfig.seq_len_dtype"):
+        relay.publish(idx, torch.tensor([2**40 + 3, 4]), confidence)
+    with pytest.raises(ValueError, match=r"payload.accepted_tokens holds -32769,.*RelayConfig.accepted_tokens.dtype"):
+        relay.stash(idx, msgspec.structs.replace(good_inputs(relay)[1], accepted_tokens=torch.full((2, 3), -(2**15) - 1)))
+    assert_same_state(before, snapshot(relay))
+
+
+def test_values_in_range_of_a_wider_dtype_are_accepted(relay):
+    idx, payload, _, confidence = good_inputs(relay)
+    relay.publish(idx, torch.tensor([2**31 - 1, 0]), confidence)  # int64 source, fits int32
+    assert relay.buffers["seq_lens"][1].item() == 2**31 - 1
+
+
+def test_an_out_dtype_that_would_truncate_is_rejected(relay):
+    before = snapshot(relay)
+    out = relay.alloc_resolved(2)
+    narrow = msgspec.structs.replace(out, tokens=torch.zeros(2, dtype=torch.int8))
+    with pytest.raises(ValueError, match="out.tokens dtype torch.int8 cannot hold every torch.int32 value.*truncate"):
+        relay.resolve(torch.tensor([1, 0]), out=narrow)
+    with pytest.raises(ValueError, match="dtypes\\['seq_lens'\\] dtype torch.int16 cannot hold"):
+        relay.alloc_resolved(2, dtypes={"seq_lens": torch.int16})
+    assert_same_state(before, snapshot(relay))
+
+
+@pytest.mark.parametrize(
+    "slots, message",
+    [
+        ([1.0, 2.0], "slot 1.0 is not an int"),
+        ([2.7], "slot 2.7 is not an int"),
+        ([True], "slot True is a bool"),
+        (torch.tensor([1.0, 2.0]), "1-D integer tensor, got a 1-D torch.float32"),
+        (torch.tensor([True]), "torch.bool"),
+        (torch.tensor([[1, 2]]), "got a 2-D torch.int64"),
+        ([[1, 2]], "not an int \\(a list\\)"),
+        (None, "sequence of ints"),
+        (3, "sequence of ints"),
+    ],
+)
+def test_admit_rejects_what_it_would_coerce(relay, slots, message):
+    before = snapshot(relay)
+    with pytest.raises(ValueError, match=message):
+        relay.admit(slots)
+    assert_same_state(before, snapshot(relay))
+
+
+def test_validation_is_switched_per_block_not_by_assignment(relay):
+    idx = torch.tensor([1, 9])  # 9 is out of range: host checks reject it
+    assert relay.validate
+    with pytest.raises(AttributeError):
+        relay.validate = False
+    with relay.validation(False):
+        assert not relay.validate
+        relay.resolve(idx)  # unchecked: the device clamps 9 to padding row 0
+        with pytest.raises(RuntimeError):
+            with relay.validation(True):
+                assert relay.validate
+                raise RuntimeError("the old setting comes back even on error")
+        assert not relay.validate
+    assert relay.validate
+    with pytest.raises(IndexError, match="out of range"):
+        relay.resolve(idx)
+    with pytest.raises(ValueError, match="must be True or False"):
+        relay.validation("off").__enter__()
+    with pytest.raises(ValueError, match="validate=.*must be True or False"):
+        Relay(CONFIG, validate="no")

@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_serve_small_workload_prints_summary_and_writes_json(tmp_path, capsys):
     out = tmp_path / "serve.json"
-    assert serve_main(["--device", "cpu", "--quiet", "--num-requests", "6", "--output-len", "2,5", "--json", str(out)]) == 0
+    assert serve_main(["--model", "tiny", "--device", "cpu", "--quiet", "--num-requests", "6", "--output-len", "2,5",
+                       "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     for label in ("requests", "tokens/s", "p99", "host syncs", "GPU idle"):
         assert label in printed, label
@@ -29,25 +30,49 @@ def test_serve_small_workload_prints_summary_and_writes_json(tmp_path, capsys):
 def test_request_file_errors_name_the_line(tmp_path, capsys):
     path = tmp_path / "requests.jsonl"
     path.write_text('{"prompt": [1, 2], "max_new_tokens": 3}\n\n{"prompt": [1], "max_new_tokens": "many"}\n')
-    assert serve_main(["--device", "cpu", "--quiet", "--requests", str(path)]) == 2
+    tiny = ["--model", "tiny", "--device", "cpu", "--quiet"]
+    assert serve_main([*tiny, "--requests", str(path)]) == 2
     err = capsys.readouterr().err
     assert f"{path}:3" in err and "max_new_tokens" in err
-    assert serve_main(["--device", "cpu", "--quiet", "--requests", str(tmp_path / "missing.jsonl")]) == 2
+    assert serve_main([*tiny, "--requests", str(tmp_path / "missing.jsonl")]) == 2
     assert "cannot read request file" in capsys.readouterr().err
+    path.write_bytes(b'{"prompt": [1], "max_new_tokens": 3}\n{"prompt": [1], "max_new_tokens": 3, "id": "\xff"}\n')
+    assert serve_main([*tiny, "--requests", str(path)]) == 2
+    assert f"{path}:2: not UTF-8" in capsys.readouterr().err
+    path.write_text('{"prompt": "text needs a tokenizer", "max_new_tokens": 3}\n')
+    assert serve_main([*tiny, "--requests", str(path)]) == 2
+    assert "need a model with a tokenizer" in capsys.readouterr().err
+
+
+def test_request_ids_may_hold_line_separators(tmp_path, capsys):
+    """U+2028 is a character inside a JSON string, not a line break."""
+    path = tmp_path / "requests.jsonl"
+    path.write_text('{"id": "a\u2028b", "prompt": [5, 6], "max_new_tokens": 2}\n', encoding="utf-8")
+    out = tmp_path / "out.json"
+    assert serve_main(["--model", "tiny", "--device", "cpu", "--quiet", "--requests", str(path), "--json", str(out)]) == 0
+    assert [o["id"] for o in json.loads(out.read_text())["outputs"]] == ["a\u2028b"]
+
+
+def test_json_path_is_checked_before_the_run(tmp_path, capsys):
+    tiny = ["--model", "tiny", "--device", "cpu", "--quiet"]
+    assert serve_main([*tiny, "--json", str(tmp_path / "no" / "such" / "dir.json")]) == 2
+    assert "does not exist; create it first" in capsys.readouterr().err
+    assert serve_main([*tiny, "--json", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
 
 
 def test_request_file_runs(tmp_path, capsys):
     path = tmp_path / "requests.jsonl"
-    path.write_text('{"id": "a", "prompt": [5, 6, 7], "max_new_tokens": 4}\n{"prompt": [9], "max_new_tokens": 2, "stop_token": 3}\n')
+    path.write_text('{"id": "a", "prompt": [5, 6, 7], "max_new_tokens": 4}\n{"prompt": [9], "max_new_tokens": 2, "stop_tokens": [3]}\n')
     out = tmp_path / "out.json"
-    assert serve_main(["--device", "cpu", "--quiet", "--requests", str(path), "--json", str(out)]) == 0
+    assert serve_main(["--model", "tiny", "--device", "cpu", "--quiet", "--requests", str(path), "--json", str(out)]) == 0
     outputs = {o["id"]: o for o in json.loads(out.read_text())["outputs"]}
     assert set(outputs) == {"a", "2"} and len(outputs["a"]["tokens"]) == 4
 
 
 def test_bad_arguments_exit_2_without_traceback():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    for args in (["--mode", "fast"], ["--prompt-len", "9,2"], ["--buckets", "0,4"]):
+    for args in (["--mode", "fast"], ["--prompt-len", "9,2"], ["--buckets", "0,4"], ["--device", "mps"]):
         done = subprocess.run([sys.executable, "-m", "tools.cli", "serve", *args], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 2, args
@@ -55,3 +80,24 @@ def test_bad_arguments_exit_2_without_traceback():
     done = subprocess.run([sys.executable, "-m", "tools.cli", "serve", "--device", "cuda"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "no GPU" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_default_serve_answers_chat_prompts_with_the_real_model(capsys):
+    """The README's main job: the real model on the built-in chat prompts, readable answers."""
+    assert serve_main(["--device", "cpu", "--quiet", "--max-new-tokens", "24", "--show", "8"]) == 0
+    printed = capsys.readouterr().out
+    assert "What is the capital of France?" in printed and "Paris" in printed
+    assert "requests        8" in printed
+
+
+def test_text_and_chat_requests_from_a_file(tmp_path, capsys):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(
+        '{"id": "text", "prompt": "What is the capital of France?", "max_new_tokens": 16}\n'
+        '{"id": "chat", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_new_tokens": 16}\n'
+    )
+    out = tmp_path / "out.json"
+    assert serve_main(["--device", "cpu", "--quiet", "--requests", str(path), "--json", str(out), "--show", "0"]) == 0
+    outputs = {o["id"]: o for o in json.loads(out.read_text())["outputs"]}
+    assert outputs["text"]["tokens"] == outputs["chat"]["tokens"]  # the same chat-templated prompt
+    assert "Paris" in outputs["chat"]["text"] and outputs["chat"]["finish_reason"] == "stop"

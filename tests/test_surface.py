@@ -11,13 +11,14 @@ from capture.sampling import SamplingParams
 from capture.surface import DecodeInputs, HostBatch
 
 MAX_BATCH = 8
-PADDING = {"slots": 0, "temperature": 0.0, "top_k": 0, "seeds": 0}  # greedy rows on slot 0
-DTYPES = {"slots": torch.int64, "temperature": torch.float32, "top_k": torch.int32, "seeds": torch.int64}
+PADDING = {"slots": 0, "temperature": 0.0, "top_k": 0, "seeds": 0, "top_p": 1.0}  # greedy rows on slot 0
+DTYPES = {"slots": torch.int64, "temperature": torch.float32, "top_k": torch.int32, "seeds": torch.int64,
+          "top_p": torch.float32}
 
 
 def batch_of(slots: list[int]) -> HostBatch:
     """Distinct non-padding values in every column, so a padded row is recognisable."""
-    params = [SamplingParams(temperature=0.5 + s, top_k=s + 1, seed=1000 + s) for s in slots]
+    params = [SamplingParams(temperature=0.5 + s, top_k=s + 1, seed=1000 + s, top_p=1 / (s + 2)) for s in slots]
     return HostBatch(slots=list(slots), params=params)
 
 
@@ -28,6 +29,7 @@ def expected_columns(batch: HostBatch, bs: int) -> dict[str, list]:
         "temperature": [p.temperature for p in batch.params] + [PADDING["temperature"]] * pad,
         "top_k": [p.top_k for p in batch.params] + [PADDING["top_k"]] * pad,
         "seeds": [p.seed for p in batch.params] + [PADDING["seeds"]] * pad,
+        "top_p": [p.top_p for p in batch.params] + [PADDING["top_p"]] * pad,
     }
 
 
@@ -35,6 +37,7 @@ def test_buffers_have_fixed_dtypes_shapes_and_alignment():
     """One [max_batch] buffer per field in the dtype the step expects, 16-byte aligned for
     vectorised kernels. If this failed, the step would cast (allocate) inside the graph."""
     inputs = DecodeInputs(MAX_BATCH, "cpu")
+    assert set(inputs.buffers._fields) == set(DTYPES)
     for name in inputs.buffers._fields:
         t = getattr(inputs.buffers, name)
         assert t.dtype == DTYPES[name], name

@@ -1,4 +1,4 @@
-"""The `graphrelay` command: `serve` (the main job), `lint`, `bench`.
+"""The `graphrelay` command: `serve` (the main job), `generate`, `lint`, `bench`.
 
 Each subcommand lives with the code it drives and is imported only when asked for, so
 `graphrelay lint` works without the capture layer loaded and the library stays import-light.
@@ -9,11 +9,12 @@ from __future__ import annotations
 import os
 import sys
 
-USAGE = """usage: graphrelay {serve,lint,bench} [ARGS]
+USAGE = """usage: graphrelay {serve,generate,lint,bench} [ARGS]
 
-  serve   run the overlap-scheduled decode loop on a workload (default: a short demo)
-  lint    check that a step function is capturable into a CUDA graph, without a GPU
-  bench   benchmarks: `bench relay` (the relay's cost) and `bench loop` (the serving loop)
+  serve     run the overlap-scheduled decode loop on a workload (default: the real model on chat prompts)
+  generate  print the model's completion of one prompt
+  lint      check that a step function is capturable into a CUDA graph, without a GPU
+  bench     benchmarks: `bench e2e` (against transformers), `bench relay` (the relay's cost), `bench loop`
 
 `graphrelay SUBCOMMAND --help` for each one's options."""
 
@@ -28,6 +29,10 @@ def main(argv: list[str] | None = None) -> int:
         from capture.cli import serve_main
 
         return serve_main(rest)
+    if command == "generate":
+        from capture.cli import generate_main
+
+        return generate_main(rest)
     if command == "lint":
         # The linter runs steps on CPU tensors: Triton kernels must run in its interpreter,
         # which is chosen when the kernels are defined, so before graphrelay is imported.

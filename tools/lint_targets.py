@@ -1,8 +1,8 @@
 """The project's own capture-critical code, as `graphrelay lint` targets (run in CI).
 
 Each factory returns `(step, example_inputs)`: the relay ops (torch and Triton backends), the
-host-mirror write, and the decode step the serving loop replays every iteration (relay
-resolve -> model -> sampling -> stash + publish -> mirror write). On a machine without a GPU
+host-mirror write, and the decode steps the serving loop replays every iteration (relay
+resolve -> model -> sampling -> stash + publish -> mirror write), plain and speculative. On a machine without a GPU
 the Triton kernels run under TRITON_INTERPRET=1 (set here before Triton is imported).
 
     graphrelay lint tools/lint_targets.py:relay_resolve_triton tools/lint_targets.py:decode_step ...
@@ -17,7 +17,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from capture.engine import Engine  # noqa: E402
 from capture.model import LlamaModel, ModelConfig  # noqa: E402
+from capture.spec_step import SpecConfig  # noqa: E402
 from capture.step import DecodeStep  # noqa: E402
 from capture.surface import DecodeInputs  # noqa: E402
 from graphrelay import FieldSpec, HostMirror, Relay, RelayConfig, RelayPayload  # noqa: E402
@@ -29,6 +31,7 @@ TARGETS = (
     "relay_scatter_triton",
     "mirror_write",
     "decode_step",
+    "spec_decode_step",
 )
 
 _CONFIG = RelayConfig.eagle(8, 4, topk=4, hidden_size=16, confidence=FieldSpec((3,), "float32"))
@@ -80,9 +83,8 @@ def relay_scatter_triton():
 
 def mirror_write():
     config = RelayConfig.plain(8, 4)
-    mirror = HostMirror(config, "cpu", use_triton=os.environ.get("TRITON_INTERPRET") == "1", validate=False)
-    generation = torch.zeros(config.rows, dtype=torch.int64)
-    return (lambda slots, tokens, seq_lens: mirror.write(slots, generation, tokens, seq_lens)), (
+    mirror = HostMirror(Relay(config, "cpu"), use_triton=os.environ.get("TRITON_INTERPRET") == "1", validate=False)
+    return (lambda slots, tokens, seq_lens: mirror.write(slots, tokens, seq_lens)), (
         _SLOTS.clone(), torch.randint(0, 100, (4,)), torch.randint(1, 50, (4,)).int())
 
 
@@ -90,16 +92,28 @@ def decode_step():
     """The serving loop's per-iteration device work: the step its graphs capture."""
     config = RelayConfig.plain(8, 4)
     relay = Relay(config, "cpu", backend="triton", validate=False)
-    mirror = HostMirror(config, "cpu", use_triton=os.environ.get("TRITON_INTERPRET") == "1", validate=False)
+    mirror = HostMirror(relay, use_triton=os.environ.get("TRITON_INTERPRET") == "1", validate=False)
     inputs = DecodeInputs(config.max_batch, "cpu")
     step = DecodeStep(relay, LlamaModel(ModelConfig(), config.max_reqs, "cpu"), mirror, inputs, max_top_k=64)
+    return _through_surface(inputs, step)
 
-    def run(slots, temperature, top_k, seeds):
+
+def spec_decode_step():
+    """The speculative iteration: drafting, verify, acceptance, relay and mirror, as captured."""
+    engine = Engine(ModelConfig(), max_reqs=8, max_batch=4, device="cpu", use_graphs=False, spec=SpecConfig(k=3))
+    return _through_surface(engine.inputs, engine.step)
+
+
+def _through_surface(inputs: DecodeInputs, step):
+    """(run, example inputs) that write a padded bucket of 4 into the surface, then step."""
+
+    def run(slots, temperature, top_k, seeds, top_p):
         # The surface's device buffers are what the graph reads; write them, then step.
         view = inputs.narrow(slots.shape[0])
-        for dst, src in zip(view, (slots, temperature, top_k, seeds)):
+        for dst, src in ((view.slots, slots), (view.temperature, temperature), (view.top_k, top_k),
+                         (view.seeds, seeds), (view.top_p, top_p)):
             dst.copy_(src)
         step(slots.shape[0])
 
     return run, (_SLOTS.clone(), torch.tensor([0.0, 0.0, 0.7, 1.0]), torch.tensor([0, 0, 5, 0], dtype=torch.int32),
-                 torch.tensor([11, 0, 12, 13]))
+                 torch.tensor([11, 0, 12, 13]), torch.tensor([1.0, 1.0, 0.9, 0.8]))

@@ -5,6 +5,7 @@ kernel against the torch path on the device."""
 import pytest
 import torch
 
+from graphrelay import Relay
 from graphrelay.config import FieldSpec, RelayConfig
 from graphrelay.mirror import HostMirror, MirrorOverrun
 
@@ -28,9 +29,10 @@ class CapturedStep:
 
     def __init__(self, use_triton=True):
         cuda = torch.device("cuda")
-        self.mirror = HostMirror(CFG, cuda, depth=DEPTH, use_triton=use_triton)
-        self.host_generation = torch.arange(CFG.rows, dtype=torch.int64) * 10  # [rows]
-        self.generation = self.host_generation.to(cuda)  # the relay keeps both in step
+        self.relay = Relay(CFG, cuda)
+        self.relay.admit([s for s in INDICES if s != 0])  # generation 1 for every live slot
+        self.mirror = HostMirror(self.relay, depth=DEPTH, use_triton=use_triton)
+        self.host_generation = self.relay.host_generation
         self.state = torch.zeros(1, dtype=torch.int64, device=cuda)  # the step's own counter
         self.indices = torch.tensor(INDICES, dtype=torch.int64, device=cuda)  # [bs]
         self.row = torch.arange(len(INDICES), dtype=torch.int64, device=cuda)  # [bs]
@@ -48,8 +50,7 @@ class CapturedStep:
         self.seq_lens.copy_(self.state + self.row)
         self.accept.copy_((self.state + self.row) % 4)
         self.confidence.copy_((self.state + self.row)[:, None].float() * 0.5 + self.col)
-        self.mirror.write(self.indices, self.generation, self.tokens, self.seq_lens,
-                          accept_len=self.accept, confidence=self.confidence)
+        self.mirror.write(self.indices, self.tokens, self.seq_lens, accept_len=self.accept, confidence=self.confidence)
 
     def _capture(self):
         side = torch.cuda.Stream()
@@ -94,14 +95,14 @@ def test_captured_writes_read_with_lag_2_for_10000_replays(use_triton):
     for i in range(replays):
         run.launch(i)
         if i >= LAG:
-            read = run.mirror.poll(i - LAG, run.host_generation)
+            read = run.mirror.poll(i - LAG)
             if read is None:
                 not_ready += 1
-                read = run.mirror.wait(i - LAG, run.host_generation)
+                read = run.mirror.wait(i - LAG)
             assert_is_iteration(read, i - LAG, run.host_generation)
             seen.append(read.iteration)
     for i in range(replays - LAG, replays):  # drain
-        read = run.mirror.wait(i, run.host_generation)
+        read = run.mirror.wait(i)
         assert_is_iteration(read, i, run.host_generation)
         seen.append(read.iteration)
     assert seen == list(range(replays))  # every iteration once, in order: none lost or duplicated
@@ -113,8 +114,8 @@ def test_poll_is_none_while_the_gpu_is_still_running():
     run = CapturedStep()
     torch.cuda._sleep(LONG_SLEEP)  # queued before the replay on the same stream
     run.launch(0)
-    assert run.mirror.poll(0, run.host_generation) is None
-    assert_is_iteration(run.mirror.wait(0, run.host_generation), 0, run.host_generation)
+    assert run.mirror.poll(0) is None
+    assert_is_iteration(run.mirror.wait(0), 0, run.host_generation)
 
 
 def test_a_reader_held_back_past_the_depth_gets_an_overrun():
@@ -122,43 +123,41 @@ def test_a_reader_held_back_past_the_depth_gets_an_overrun():
     for i in range(50):
         run.launch(i)
         if i >= LAG:
-            assert_is_iteration(run.mirror.wait(i - LAG, run.host_generation), i - LAG, run.host_generation)
+            assert_is_iteration(run.mirror.wait(i - LAG), i - LAG, run.host_generation)
     # iteration 48 is due; hold the reader back while three more iterations launch
     for i in range(50, 53):
         run.launch(i)
     torch.cuda.synchronize()
     with pytest.raises(MirrorOverrun, match="iteration 48 was overwritten"):
-        run.mirror.poll(48, run.host_generation)
+        run.mirror.poll(48)
     with pytest.raises(MirrorOverrun):
-        run.mirror.wait(49, run.host_generation)
+        run.mirror.wait(49)
     for i in (50, 51, 52):  # still inside the window, and intact
-        assert_is_iteration(run.mirror.poll(i, run.host_generation), i, run.host_generation)
+        assert_is_iteration(run.mirror.poll(i), i, run.host_generation)
 
 
 def test_a_slot_admitted_between_replays_marks_older_rows_stale():
     run = CapturedStep()
     run.launch(0)
-    # slot 7 goes to a new request: the relay bumps its generation on both sides
-    run.generation[7] += 1  # on the replay stream, after iteration 0
-    run.host_generation[7] += 1
+    run.relay.admit([7])  # slot 7 goes to a new request: generation 2, on both sides
     run.launch(1)
-    old, new = run.mirror.wait(0, run.host_generation), run.mirror.wait(1, run.host_generation)
+    old, new = run.mirror.wait(0), run.mirror.wait(1)
     row = old.slots.tolist().index(7)
     assert old.stale.tolist() == [j == row for j in range(len(old))]
-    assert int(old.generation[row]) == 70 and int(new.generation[row]) == 71
+    assert int(old.generation[row]) == 1 and int(new.generation[row]) == 2
     assert not new.stale.any()
     assert 7 not in old.fresh().slots.tolist()
 
 
 def test_fused_kernel_equals_torch_path_on_the_device():
-    mirrors = [HostMirror(CFG, "cuda", depth=DEPTH, use_triton=flag) for flag in (True, False)]
+    relay = Relay(CFG, "cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    generation = torch.randint(0, 2**40, (CFG.rows,), device="cuda", generator=gen)
+    relay.generation.copy_(torch.randint(0, 2**40, (CFG.rows,), device="cuda", generator=gen))
+    mirrors = [HostMirror(relay, depth=DEPTH, use_triton=flag) for flag in (True, False)]
     for bs in (1, 8, 3, 0, 5):
         args = (
             torch.randint(0, CFG.rows, (bs,), device="cuda", generator=gen),
-            generation,
-            torch.randint(-(2**40), 2**40, (bs,), device="cuda", generator=gen),  # cast to int32
+            torch.randint(-(2**31), 2**31, (bs,), device="cuda", generator=gen),  # int64, cast to int32
             torch.randint(0, 2**20, (bs,), device="cuda", generator=gen, dtype=torch.int32),
             torch.randint(0, 4, (bs,), device="cuda", generator=gen, dtype=torch.int16),
             torch.rand(bs, 4, device="cuda", generator=gen),
@@ -168,3 +167,48 @@ def test_fused_kernel_equals_torch_path_on_the_device():
         torch.cuda.synchronize()
         rings = [m._ring.host_view(torch.uint8, (m._ring.nbytes,)) for m in mirrors]
         assert torch.equal(rings[0], rings[1]), f"bs={bs}"
+
+
+def test_strided_inputs_inside_a_captured_write_equal_contiguous_eager_writes():
+    """The captured write binds strided views (columns of one [bs, 3] int64 tensor, every other
+    element, a transposed confidence); replayed after new values land in them in place, the
+    ring holds what an eager twin writes from contiguous copies. If this failed, an engine
+    whose step outputs are views would mirror another row's tokens to the scheduler."""
+    cuda = torch.device("cuda")
+    relay = Relay(CFG, cuda)
+    relay.admit([s for s in INDICES if s != 0])
+    captured, twin = (HostMirror(relay, depth=DEPTH) for _ in range(2))
+    bs = len(INDICES)
+    columns = torch.zeros(bs, 3, dtype=torch.int64, device=cuda)  # slots, tokens, seq lens
+    accept = torch.zeros(2 * bs, dtype=torch.int32, device=cuda)[::2]
+    confidence = torch.zeros(4, bs, dtype=torch.float32, device=cuda).t()  # [bs, 4], strides (1, bs)
+    views = (columns[:, 0], columns[:, 1], columns[:, 2], accept, confidence)
+
+    def fill(step: int) -> None:
+        g = torch.Generator(device=cuda).manual_seed(step)
+        columns[:, 0].copy_(torch.tensor(INDICES, device=cuda).roll(step))
+        columns[:, 1:].copy_(torch.randint(0, 2**31, (bs, 2), device=cuda, generator=g))
+        accept.copy_(torch.randint(0, 4, (bs,), device=cuda, generator=g, dtype=torch.int32))
+        confidence.copy_(torch.rand(bs, 4, device=cuda, generator=g))
+
+    fill(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up compiles the strided specialization
+        captured.write(*views[:3], accept_len=views[3], confidence=views[4])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured.write(*views[:3], accept_len=views[3], confidence=views[4])
+    captured.reset()
+    stream = torch.cuda.current_stream()
+    for step in range(2 * DEPTH):
+        fill(step)
+        graph.replay()
+        captured.record(step, stream)
+        copies = [v.clone(memory_format=torch.contiguous_format) for v in views]
+        twin.write(*copies[:3], accept_len=copies[3], confidence=copies[4])
+        twin.record(step, stream)
+        torch.cuda.synchronize()
+        rings = [m._ring.host_view(torch.uint8, (m._ring.nbytes,)) for m in (captured, twin)]
+        assert torch.equal(rings[0], rings[1]), f"step {step}"

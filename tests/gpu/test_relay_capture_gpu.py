@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from capture_cases import gc_paused, state_differences, sync_debug_error
-from graphrelay import FieldSpec, Relay, RelayPayload
+from graphrelay import FieldSpec, Relay, RelayPayload, Resolved
 from graphrelay.fields import STASH
-from relay_cases import SOURCE_DTYPE, full_config, snapshot
+from relay_cases import SOURCE_DTYPE, full_config, snapshot, strided_copy
 
 pytestmark = pytest.mark.gpu
 
@@ -208,3 +208,60 @@ def test_padding_rows_never_change_live_rows(rig):
         assert not diffs, f"{where}: gathered rows wrong:\n  " + "\n  ".join(diffs)
         for f in fields:  # row 0 is never written, so gathers at padding return the fill value
             assert bool((rig.relay.buffers[f.name][0] == f.fill).all()), f"{where}: padding row 0 of {f.name} changed"
+
+
+def test_strided_views_inside_capture_equal_contiguous_eager_ops():
+    """Captured resolve + stash_and_publish bound to strided views (indices that are the
+    columns of one [bs, 2] tensor, payloads and out= buffers laid out every other element in
+    reversed dim order) replay what the same ops on contiguous copies give eagerly, bit for
+    bit. If this failed, an engine whose slots or sampled tokens are views of a wider tensor
+    would read and write other requests' rows inside its graph."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    relay, twin = Relay(CFG, device, validate=False), Relay(CFG, device, validate=False)
+    bs = 7
+    gen = torch.Generator(device=device).manual_seed(99)
+
+    def layout(n: int):  # dims in reverse memory order, every other element, offset 1
+        return tuple(reversed(range(n))), (2,) * n, (1,) * n
+
+    pairs = torch.zeros(bs, 2, dtype=torch.int64, device=device)
+    write_idx, read_idx = pairs[:, 0], pairs[:, 1]
+    values = {f.name: strided_copy(torch.zeros((bs, *f.shape), dtype=SOURCE_DTYPE[f.dtype], device=device), layout(1 + len(f.shape)))
+              for f in relay.fields}
+    out = Resolved(**{f.name: strided_copy(torch.zeros((bs, *f.shape), dtype=f.dtype, device=device), layout(1 + len(f.shape)))
+                      for f in relay.fields})
+    twin_out = twin.alloc_resolved(bs)
+
+    def ops(r: Relay, idx: tuple, v: dict, o: Resolved) -> None:
+        payload = RelayPayload(**{f.name: v[f.name] for f in r.fields if f.group == STASH})
+        r.stash_and_publish(idx[0], payload, v["seq_lens"], v["confidence"])
+        r.resolve(idx[1], out=o)
+
+    def randomize() -> None:
+        slots = torch.randperm(CFG.max_reqs, generator=gen, device=device)[: 2 * bs] + 1
+        pad = torch.rand(2 * bs, generator=gen, device=device) < 0.3
+        pairs.copy_(torch.where(pad, 0, slots).view(bs, 2))
+        for t in values.values():
+            new = torch.randn(t.shape, generator=gen, device=device) * 3
+            t.copy_(new if t.dtype.is_floating_point else new.abs().mul(1000).long())
+
+    randomize()
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):  # the first call compiles the strided specializations
+            ops(relay, (write_idx, read_idx), values, out)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops(relay, (write_idx, read_idx), values, out)
+    torch.cuda.synchronize(device)
+    for name, buf in relay.buffers.items():
+        twin.buffers[name].copy_(buf)
+    for replay in range(50):
+        randomize()
+        graph.replay()
+        dense = {k: v.clone(memory_format=torch.contiguous_format) for k, v in values.items()}
+        ops(twin, (write_idx.clone(), read_idx.clone()), dense, twin_out)
+        diffs = state_differences(outputs(relay, out, bs), outputs(twin, twin_out, bs))
+        assert not diffs, f"replay {replay}, slots {pairs.tolist()}: graph differs from eager:\n  " + "\n  ".join(diffs)

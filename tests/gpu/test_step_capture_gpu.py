@@ -135,7 +135,7 @@ def test_changing_batches_64_steps_graph_equals_eager(twins):
         if t >= LAG:
             # Never block when the iteration is done; wait only if it is not (the ring keeps
             # just `depth` iterations, so the reader must not fall further behind).
-            got = graph.stack.mirror.poll(t - LAG, graph.stack.relay.host_generation)
+            got = graph.stack.mirror.poll(t - LAG)
             polled += got is not None
             assert_same_read(got if got is not None else graph.read(t - LAG), eager.read(t - LAG), f"step {t - LAG} read at step {t}")
     for t in range(STEPS - LAG, STEPS):
@@ -219,14 +219,14 @@ def test_mirror_consumer_never_sees_unfinished_iteration(twins):
         expected = eager.read(it)
         torch.cuda._sleep(SLEEP_CYCLES)  # queued on the stream ahead of the replay
         graph.launch(batch)
-        mirror, generation = graph.stack.mirror, graph.stack.relay.host_generation
-        assert mirror.poll(it, generation) is None, f"iteration {it}: poll returned before the write ran"
+        mirror = graph.stack.mirror
+        assert mirror.poll(it) is None, f"iteration {it}: poll returned before the write ran"
         if it >= 1:
-            earlier = mirror.poll(it - 1, generation)  # launched before the sleep: may be ready
+            earlier = mirror.poll(it - 1)  # launched before the sleep: may be ready
             if earlier is not None:
                 assert_same_read(earlier, eager.read(it - 1), f"iteration {it - 1} polled during {it}")
         stream.synchronize()
-        got = mirror.poll(it, generation)
+        got = mirror.poll(it)
         assert got is not None, f"iteration {it}: poll returned None after the stream finished"
         assert_same_read(got, expected, f"iteration {it}")
         assert got.slots.tolist() == batch

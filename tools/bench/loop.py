@@ -142,18 +142,27 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     return "serving loop, same workload per model\n" + results.format_table(headers, body)
 
 
-def save_plot(path, rows: list[dict[str, Any]], env: dict[str, Any]):
+# (label, row -> µs per iteration or None): what one decode iteration costs, by where it goes.
+PLOT_METRICS = (
+    ("iteration (host, mean)", lambda r: r["iter_ms_mean"] * 1e3),
+    ("CPU scheduling", lambda r: r["cpu_sched_us_per_iter"]),
+    ("GPU step (decode)", lambda r: r["gpu_step_us_per_iter"]),
+    ("GPU busy (decode + prefills)", lambda r: r["gpu_busy_us_per_iter"]),
+)
+
+
+def plot_panels(rows: list[dict[str, Any]]) -> list[plots.BarPanel]:
+    """One panel per model: a group of bars per mode, one bar per metric. GPU metrics are
+    left out where no mode measured them (CPU runs)."""
     panels = []
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
-        xs = list(range(len(mine)))
-        lines = [
-            plots.Line("iteration (host, mean)", xs, [r["iter_ms_mean"] * 1e3 for r in mine]),
-            plots.Line("CPU scheduling", xs, [r["cpu_sched_us_per_iter"] for r in mine]),
-        ]
-        if all(r["gpu_step_us_per_iter"] is not None for r in mine):
-            lines.append(plots.Line("GPU step (decode)", xs, [r["gpu_step_us_per_iter"] for r in mine]))
-            lines.append(plots.Line("GPU busy (decode + prefills)", xs, [r["gpu_busy_us_per_iter"] for r in mine]))
-        panels.append(plots.Panel(f"{model}: " + " | ".join(f"{i}={r['mode']}" for i, r in enumerate(mine)),
-                                  "mode", "µs per iteration", lines))
-    return plots.save_panels(path, panels, f"serving loop on {env['device']}")
+        series = [plots.Bars(label, [value(r) for r in mine]) for label, value in PLOT_METRICS]
+        panels.append(plots.BarPanel(f"{model}: µs per iteration, by mode", "mode", "µs per iteration",
+                                     [r["mode"] for r in mine],
+                                     [s for s in series if any(v is not None for v in s.values)]))
+    return panels
+
+
+def save_plot(path, rows: list[dict[str, Any]], env: dict[str, Any]):
+    return plots.save_panels(path, plot_panels(rows), f"serving loop on {env['device']}")

@@ -1,0 +1,49 @@
+"""Where a run's model comes from: a preset's architecture with random weights, or a GGUF file
+(architecture, weights, tokenizer and chat template). One function so `serve`, `generate`
+and the benchmarks pick models the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import msgspec
+
+from capture.checkpoint import read_gguf, resolve_gguf_path
+from capture.model import ModelConfig, ModelWeights
+from capture.text import TextCodec
+
+# Presets whose real weights have a default GGUF (capture.checkpoint.default_gguf_path).
+GGUF_PRESETS = ("smollm2-135m",)
+WEIGHT_SOURCES = ("auto", "gguf", "random")
+
+
+class LoadedModel(msgspec.Struct):
+    config: ModelConfig
+    weights: Optional[ModelWeights]  # None: seeded random weights
+    codec: Optional[TextCodec]  # None: token ids only
+    source: str  # what was loaded, for the summary
+
+
+def load_model(
+    name: str, *, weights: str = "auto", gguf: Optional[str] = None, dtype: str = "float32", max_seq_len: int = 1024
+) -> LoadedModel:
+    """`name` is a preset; `weights` "auto" loads the GGUF for presets that have one (or when
+    `gguf` is given) and random weights otherwise. Raises ModelFileError with the install hint
+    when the file is needed but missing."""
+    if weights not in WEIGHT_SOURCES:
+        raise ValueError(f"weights {weights!r} is not one of {WEIGHT_SOURCES}")
+    preset = ModelConfig.preset(name)
+    real = weights == "gguf" or (weights == "auto" and (gguf is not None or name in GGUF_PRESETS))
+    if not real:
+        config = msgspec.structs.replace(preset, dtype=dtype, max_seq_len=max_seq_len)
+        return LoadedModel(config, None, None, f"{name}, random weights")
+    path = resolve_gguf_path(gguf)
+    config, loaded = read_gguf(path, max_seq_len=max_seq_len, dtype=dtype)
+    return LoadedModel(config, loaded, TextCodec(path), f"{path.name}")
+
+
+def default_dtype(device_type: str) -> str:
+    """bf16 on a GPU, float32 on the CPU (where it is the exact, fast choice)."""
+    return "bfloat16" if device_type == "cuda" else "float32"
+
