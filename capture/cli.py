@@ -187,11 +187,15 @@ def _serve(args) -> int:
         for out in result.outputs.values():
             out.text = loaded.codec.decode(out.tokens)
     print(format_summary(result, capture.seconds, capture.graph_memory_bytes))
-    shown = [o for o in result.outputs.values() if o.text is not None][: max(0, args.show)]
+    # In request order, so the first built-in question (the capital of France) leads.
+    shown = [result.outputs[r.id] for r in requests if result.outputs[r.id].text is not None][: max(0, args.show)]
     prompts = {r.id: r.prompt for r in requests}
     for out in shown:
-        question = loaded.codec.decode(prompts[out.id]).strip().splitlines()[-2:]
-        print(f"\n[{out.id}] {' / '.join(question)}\n  -> {out.text.strip()}")
+        # The prompt's last line, without the chat template's opened assistant turn.
+        lines = loaded.codec.decode(prompts[out.id]).strip().splitlines() or [""]
+        question = lines[-2] if len(lines) > 1 and lines[-1].strip() == "assistant" else lines[-1]
+        answer = out.text.strip().replace("\n", "\n     ")
+        print(f"\n[{out.id}] {question}\n  -> {answer}")
     if args.json is not None:
         payload = {"model": loaded.source, "stats": result.stats, "capture": capture, "outputs": list(result.outputs.values())}
         write_atomically(args.json, msgspec.json.format(msgspec.json.encode(payload)))
@@ -237,8 +241,9 @@ def format_summary(result: LoopResult, capture_s: float, graph_bytes: int) -> st
         ("GPU idle", "n/a (CPU)" if s.gpu_idle_fraction is None else f"{100 * s.gpu_idle_fraction:.1f}% of the time between iterations"),
         ("tokens/step", f"{s.tokens_per_request_step:.2f} per request per decode iteration"
                         f"{' (mean accepted length)' if s.tokens_per_request_step > 1 else ''}"),
-        ("host syncs", f"{s.host_syncs_per_iter:.3f} per iteration"),
-        ("blocking waits", f"{s.event_waits_per_iter:.3f} per iteration (for an older iteration's results)"),
+        ("host syncs", f"{s.host_syncs_per_iter:.3f} per iteration (torch ops that synchronize, from its sync-debug mode)"),
+        ("CPU waits", f"{s.event_waits_per_iter:.3f} per iteration on an older iteration's event (the loop's own "
+                      f"cuda-python waits; they starve the GPU only if GPU idle above is high)"),
     ]
     if s.graphs:
         rows.append(("capture", f"{capture_s:.1f} s, {graph_bytes / 2**20:.1f} MiB of graph memory"))

@@ -17,9 +17,10 @@ import torch
 
 from capture.buckets import default_buckets
 from capture.graph_runner import CaptureReport, GraphRunner
+from capture.memory_plan import check_fits, plan_memory
 from capture.model import LlamaModel, ModelConfig, ModelWeights
-from capture.sampling import SamplingParams, sample
 from capture.ngram import TokenHistory
+from capture.sampling import SamplingParams, sample
 from capture.spec_step import SpecConfig, SpecDecodeStep
 from capture.step import DecodeStep
 from capture.surface import DecodeInputs, HostBatch
@@ -71,6 +72,7 @@ class Engine:
         # its own mirror row, so the relay (whose max_batch sizes the mirror) and the model's
         # decode buffers hold that many rows.
         rows = max_batch * (spec.rows if spec else 1)
+        check_fits(plan_memory(model_config, max_reqs, rows, prefill_tokens), self.device)
         extra = {}
         if spec is not None:
             extra = dict(accepted_tokens=FieldSpec((spec.rows,), "int32"), accept_len=FieldSpec((), "int32"))

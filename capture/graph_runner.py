@@ -67,15 +67,18 @@ class GraphRunner:
         if not self.use_graphs:
             self.report = CaptureReport(self.buckets, 0.0, 0)
             return self.report
-        torch.cuda.synchronize(self.device)
-        reserved_before = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
         order = sorted(self.buckets, reverse=True)
+        # Every bucket is warmed up before any capture, so warm-up's own allocations (cached by
+        # the allocator afterwards) are not counted as graph memory: the figure is the pool's.
+        for bs in order:
+            self._warm_up(bs, side)
+        torch.cuda.synchronize(self.device)
+        reserved_before = torch.cuda.memory_reserved(self.device)
         for n, bs in enumerate(order, 1):
             if self.progress:
                 print(f"\rcapturing CUDA graphs: bucket {bs:4d} ({n}/{len(order)})", end="", file=sys.stderr, flush=True)
-            self._warm_up(bs, side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=side):
                 self.step(bs)

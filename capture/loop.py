@@ -103,8 +103,9 @@ class ServingLoop:
         aborts: Optional[dict[str, int]] = None,
         progress: Optional[Callable[[dict], None]] = None,
     ) -> LoopResult:
-        """Serve `requests`; `aborts` maps a request id to the iteration count at which it is
-        aborted (for tests and demos); `progress` gets a status dict about twice a second."""
+        """Serve `requests`; `aborts` maps a request id to the number of iterations (prefill and
+        decode) launched when it is aborted (for tests and demos); `progress` gets a status
+        dict about twice a second."""
         self.check_requests(requests)
         run = _Run(self.engine, self.mode, requests, aborts or {}, progress)
         with self.engine.activate(), warnings.catch_warnings(record=True) as caught:
@@ -118,7 +119,12 @@ class ServingLoop:
             finally:
                 if self.engine.on_gpu:
                     torch.cuda.set_sync_debug_mode(sync_mode)
-        syncs = sum("synchronizing" in str(w.message) for w in caught)
+        syncs = 0
+        for w in caught:
+            if "synchronizing" in str(w.message):
+                syncs += 1
+            else:  # not ours to swallow (e.g. the runner's oversize-batch warning): pass it on
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         tokens = sum(len(o.tokens) for o in run.outputs.values())
         accepted = run.decode_tokens / run.request_steps if run.request_steps else 0.0
         return LoopResult(outputs=run.outputs, stats=run.clock.stats(self.mode, len(requests), tokens, syncs, accepted))
@@ -141,7 +147,6 @@ class _Run:
         self.completed = -1  # every iteration <= this has been read back
         self.outputs: dict[str, RequestOutput] = {}
         self.clock = IterationClock(engine)
-        self.turns = 0
         self.decode_rows: dict[int, int] = {}  # decode iteration in flight -> requests it runs
         self.request_steps = 0  # (request, decode iteration) pairs read back
         self.decode_tokens = 0  # tokens those produced (more than one each with speculation)
@@ -159,7 +164,6 @@ class _Run:
             if not (launched or prefilled or self.inflight):
                 self._idle()
             self._release_slots()
-            self.turns += 1
             self.clock.turn_end(launched)
             if self.progress is not None:
                 self.clock.report(self.progress, len(self.live), len(self.outputs), len(self.pending))
@@ -258,7 +262,7 @@ class _Run:
         self.retiring = keep
 
     def _apply_aborts(self) -> None:
-        due = [rid for rid, at in self.aborts.items() if at <= self.turns]
+        due = [rid for rid, at in self.aborts.items() if at <= self.engine.iterations_launched]
         for rid in due:
             del self.aborts[rid]
             live = next((l for l in self.live.values() if l.request.id == rid), None)

@@ -14,13 +14,10 @@ Seq-len convention: `seq_lens[i]` is the number of tokens already cached for slo
 also the position of row i's input token. A decode step writes K/V at `[slot, seq_len]`,
 attends over positions `0..seq_len`, and the caller then publishes `seq_len + 1`.
 Slot 0 is the padding slot: padded rows (slot 0, any in-range seq len) only touch cache row 0.
-
-`reference_logits` recomputes a sequence from scratch without the cache, for tests.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 from typing import Callable, Sequence
 
@@ -201,31 +198,12 @@ class ModelWeights:
                 raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, the config implies {shape}")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Normalize in float32, scale in the model dtype (Llama's order)."""
-    xf = x.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
-
-
-def swiglu_mlp(x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-    gate, up = (x @ layer.gate_up.T).chunk(2, dim=-1)
-    return (torch.nn.functional.silu(gate) * up) @ layer.down.T
-
-
 def rotary_table(c: ModelConfig, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin tables [length, head_dim] float32 for positions 0..length-1 (half-split layout)."""
     inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim)
     angles = torch.arange(length, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [length, d/2]
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
-
-
-def split_qkv(config: ModelConfig, qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """[n, (h + 2 kvh) * d] -> q [n, h, d], k [n, kvh, d], v [n, kvh, d]."""
-    n, d = qkv.shape[0], config.head_dim
-    q, k, v = qkv.split([config.num_heads * d, config.num_kv_heads * d, config.num_kv_heads * d], -1)
-    return q.view(n, config.num_heads, d), k.view(n, config.num_kv_heads, d), v.view(n, config.num_kv_heads, d)
 
 
 class LlamaModel:
@@ -339,8 +317,9 @@ class LlamaModel:
         tokens, slots, seq_lens: [bs] int32 or int64 on the model's device. Row i writes K/V
         at [slots[i], seq_lens[i]] and attends over positions 0..seq_lens[i]; padded rows use
         slot 0 with any in-range seq len. Capturable: only metadata is checked here.
-        NOTE: values are not checked (that would sync): a seq len >= max_seq_len or a slot
-        > max_reqs trips a device-side assert on CUDA. `validate_decode_inputs` checks them.
+        NOTE: values are not checked (that would sync): the kernels clamp an out-of-range slot
+        or position so they never touch memory outside the cache, but that row's result is then
+        meaningless. The scheduler assigns slots and lengths; it is where they are checked.
         """
         bs = tokens.shape[0] if tokens.dim() == 1 else -1
         for name, t in (("tokens", tokens), ("slots", slots), ("seq_lens", seq_lens)):
@@ -364,16 +343,6 @@ class LlamaModel:
         hidden = self._forward(tokens, slots64, positions, attend)
         logits = self._logits(hidden)
         return logits if out is None else out.copy_(logits)
-
-    def validate_decode_inputs(self, tokens: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor) -> None:
-        """Value checks for decode inputs. NOTE: syncs with the device; never call it in a capture."""
-        self._check_range("tokens", tokens, self.config.vocab_size)
-        self._check_range("slots", slots, self.max_reqs + 1)
-        # The step writes at position seq_len, so it must be a cache position.
-        self._check_range("seq_lens", seq_lens, self.config.max_seq_len)
-        live = slots[slots != 0]
-        if live.unique().numel() != live.numel():
-            raise ValueError("decode slots repeat a non-zero slot; each request appears at most once per batch")
 
     # ----------------------------------------------------------------------------------------
     # Shared layer stack
@@ -410,35 +379,3 @@ class LlamaModel:
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return (hidden @ self.lm_head.T).float()  # [n, vocab]
-
-    @staticmethod
-    def _check_range(name: str, values: torch.Tensor, upper: int) -> None:
-        if values.numel() and not bool(((values >= 0) & (values < upper)).all()):
-            bad = values[(values < 0) | (values >= upper)][0].item()
-            raise ValueError(f"{name} holds {bad}, outside 0..{upper - 1}")
-
-
-@torch.no_grad()
-def reference_logits(model: LlamaModel, token_ids: list[int]) -> torch.Tensor:
-    """Slow reference: logits [vocab] f32 of the last position, recomputed without the cache.
-
-    Plain causal attention over the whole sequence, KV heads repeated for GQA, rotary angles
-    taken from the same table; shares only the weights and the norm/MLP helpers with the model.
-    """
-    c = model.config
-    n = len(token_ids)
-    tokens = torch.tensor(token_ids, dtype=torch.int64, device=model.device)
-    x = model.embed[tokens]  # [n, hidden]
-    cos, sin = (t.to(model.device) for t in rotary_table(c, n))  # [n, d]
-    causal = torch.full((n, n), float("-inf"), device=model.device).triu(1)  # [n, n]
-    for layer in model.layers:
-        q, k, v = split_qkv(c, rms_norm(x, layer.attn_norm, c.rms_eps) @ layer.qkv.T)
-        q, k = kernels.rotate(q, cos, sin), kernels.rotate(k, cos, sin)
-        k = k.repeat_interleave(c.kv_groups, dim=1)  # [n, h, d]
-        v = v.repeat_interleave(c.kv_groups, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) / math.sqrt(c.head_dim) + causal
-        attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float()).to(x.dtype)
-        x = x + attn.reshape(n, -1) @ layer.o.T
-        x = x + swiglu_mlp(rms_norm(x, layer.mlp_norm, c.rms_eps), layer)
-    x = rms_norm(x, model.final_norm, c.rms_eps)
-    return (x[-1] @ model.lm_head.T).float()

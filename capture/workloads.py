@@ -8,6 +8,7 @@ turned into token ids here, by the model's `TextCodec`, before the engine sees i
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -61,8 +62,8 @@ class SyntheticWorkload(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
             low, high = getattr(self, name)
             if not 1 <= low <= high:
                 raise ValueError(f"{name} must be a range LOW,HIGH with 1 <= LOW <= HIGH, got {low},{high}")
-        if self.rate < 0:
-            raise ValueError(f"rate must be >= 0 requests/s (0 = closed loop), got {self.rate}")
+        if not (math.isfinite(self.rate) and self.rate >= 0):
+            raise ValueError(f"rate must be a finite number >= 0 requests/s (0 = closed loop), got {self.rate}")
 
     def requests(self) -> list[Request]:
         rng = random.Random(self.seed)
@@ -77,15 +78,24 @@ class SyntheticWorkload(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
                     prompt=prompt,
                     max_new_tokens=rng.randint(*self.output_len),
                     stop_tokens=self.stop_tokens,
-                    sampling=SamplingParams(temperature=self.temperature, top_k=self.top_k, seed=self.seed * 1_000_003 + i),
+                    sampling=SamplingParams(temperature=self.temperature, top_k=self.top_k, seed=derived_seed(self.seed, i)),
                     arrival=clock,
                 )
             )
         return out
 
 
+def derived_seed(workload_seed: int, index: int) -> int:
+    """Request `index`'s sampling seed: distinct per request, and always inside int64 (the
+    workload seed may be any int), so no workload seed makes a request invalid."""
+    return (workload_seed * 1_000_003 + index) % 2**63
+
+
 class WorkloadError(ValueError):
     """A request file is malformed; the message names the file, the line and the problem."""
+
+
+MAX_LINE_BYTES = 1 << 20  # one request's JSON; a prompt of ~100k tokens fits
 
 
 def load_jsonl(path: str | Path, codec: Optional["TextCodec"] = None, chat: bool = True) -> list[Request]:
@@ -102,9 +112,14 @@ def load_jsonl(path: str | Path, codec: Optional["TextCodec"] = None, chat: bool
     decoder = msgspec.json.Decoder(type=dict)
     requests, seen = [], set()
     try:
-        with path.open("rb") as lines:
+        with path.open("rb") as stream:
+            # readline with a limit: an endless or newline-free stream (/dev/zero) fails at
+            # its first over-long line instead of filling memory.
+            lines = iter(lambda: stream.readline(MAX_LINE_BYTES + 1), b"")
             for number, raw_line in enumerate(lines, 1):
                 where = f"{path}:{number}"
+                if len(raw_line) > MAX_LINE_BYTES:
+                    raise WorkloadError(f"{where}: line longer than {MAX_LINE_BYTES} bytes; one request per line, one JSON object each")
                 try:
                     line = raw_line.decode("utf-8")
                 except UnicodeDecodeError as exc:

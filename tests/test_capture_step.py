@@ -9,7 +9,8 @@ import warnings
 import pytest
 import torch
 
-from capture.model import LlamaModel, reference_logits
+from capture.model import LlamaModel
+from model_reference import reference_logits
 from capture.step import DecodeStep
 from capture.surface import DecodeInputs
 from capture_cases import MODEL, Driver, build_stack, composition_schedule

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from capture import layer_kernels as lk
-from capture.model import ModelConfig, split_qkv, swiglu_mlp
-from capture.model import rms_norm as model_rms_norm
+from capture.model import ModelConfig
+from model_reference import rms_norm as model_rms_norm
+from model_reference import split_qkv, swiglu_mlp
 
 EPS = 1e-5
 

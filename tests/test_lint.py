@@ -9,22 +9,25 @@ replays the wrong branch or shape silently; a false positive teaches them to ign
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
-from graphrelay.lint import Finding, HazardKind, LintError, lint_step
+from graphrelay.lint import Finding, HazardKind, LintError, LintReport, lint_step
 from graphrelay.lint.cli import lint_main
 from graphrelay.lint.inputs import other_values
-from lint_examples import bad_steps, good_steps, kernel_steps
+from lint_examples import bad_steps, broken_steps, good_steps, kernel_steps
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(REPO, "tests", "lint_examples")
 BAD = os.path.join(EXAMPLES, "bad_steps.py")
 GOOD = os.path.join(EXAMPLES, "good_steps.py")
+BROKEN = os.path.join(EXAMPLES, "broken_steps.py")
 
 
 def marked_line(func, marker: str = "# <- hazard") -> int:
@@ -73,6 +76,11 @@ BAD_CASES = [
     ("python_list_tensor", H.PYTHON_DATA_TENSOR, "torch.tensor", None),
     ("as_tensor_list", H.PYTHON_DATA_TENSOR, "torch.as_tensor", None),
     ("from_numpy_array", H.PYTHON_DATA_TENSOR, "torch.from_numpy", None),
+    ("list_index", H.PYTHON_DATA_TENSOR, "Tensor.__getitem__", None),
+    ("list_column_index", H.PYTHON_DATA_TENSOR, "Tensor.__getitem__", None),
+    ("range_index", H.PYTHON_DATA_TENSOR, "Tensor.__getitem__", None),
+    ("numpy_index", H.PYTHON_DATA_TENSOR, "Tensor.__getitem__", None),
+    ("list_index_assign", H.PYTHON_DATA_TENSOR, "Tensor.__setitem__", None),
 ]
 
 
@@ -150,6 +158,45 @@ def test_triton_interpreter_internals_are_not_the_users_ops():
     report = lint_factory(kernel_steps.triton_launch)
     assert report.ok, report.format()
     assert report.ops_recorded == 1
+
+
+def test_a_step_of_kernel_launches_alone_is_linted_not_empty():
+    report = lint_factory(kernel_steps.triton_launch_only)
+    assert report.ok and report.ops_recorded == 0
+    assert report.summary().endswith("capturable, no hazards (0 ops checked, plus Triton kernel launches)")
+
+
+@pytest.mark.parametrize("name", ["generator_step", "does_nothing"])
+def test_a_step_that_runs_no_ops_gets_no_verdict(name):
+    step, example = getattr(broken_steps, name)()
+    with pytest.raises(LintError, match=r"ran no tensor ops \(a generator function, or a step that does nothing\)"):
+        lint_step(step, example)
+
+
+def test_a_step_that_calls_sys_exit_raises_lint_error_naming_its_line():
+    step, example = broken_steps.exits_cleanly()
+    with pytest.raises(LintError, match=r"raised SystemExit: 0 on the example inputs at .*broken_steps.py:\d+: sys.exit"):
+        lint_step(step, example)
+
+
+def test_python_data_index_is_named_by_the_users_call():
+    finding = only_finding(lint_factory(bad_steps.list_column_index), H.PYTHON_DATA_TENSOR)
+    assert "CPU int64 tensor of shape [2] from Python data" in finding.detail
+    assert finding.fix.startswith("build the index tensor once, outside the step, on the device")
+
+
+def test_bool_list_index_is_python_data_and_a_mask():
+    report = lint_step(lambda x: x[[True, False, True, True]], (torch.ones(4),))
+    assert {(f.kind, f.op) for f in report.findings} == {
+        (H.PYTHON_DATA_TENSOR, "Tensor.__getitem__"),
+        (H.DATA_DEPENDENT_SHAPE, "aten.index.Tensor"),
+    }
+
+
+def test_report_survives_json():
+    report = lint_factory(bad_steps.value_dependent_branch)
+    assert report.findings[-1].other_location is not None
+    assert LintReport.from_dict(json.loads(json.dumps(report.to_dict()))) == report
 
 
 def test_device_moves_that_stay_on_the_device_are_fine():
@@ -250,9 +297,78 @@ def test_cli_error_outranks_hazards(capsys):
 
 def test_cli_help_and_no_arguments(capsys):
     assert lint_main(["--help"]) == 0
-    assert "usage: graphrelay lint FILE.py:NAME" in capsys.readouterr().out
+    assert "usage: graphrelay lint [--timeout SECONDS] FILE.py:NAME" in capsys.readouterr().out
     assert lint_main([]) == 2
     assert "usage: graphrelay lint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--timeout"], "not ''"),
+        (["--timeout", "0", f"{GOOD}:decode_step"], "not '0'"),
+        (["--timeout=-3", f"{GOOD}:decode_step"], "not '-3'"),
+        (["--timeout", "soon", f"{GOOD}:decode_step"], "not 'soon'"),
+        (["--timeout", "nan", f"{GOOD}:decode_step"], "not 'nan'"),
+        (["--timeout", "5"], "no targets given"),
+        (["--time", "5", f"{GOOD}:decode_step"], "unknown option '--time'"),
+    ],
+)
+def test_cli_bad_options_exit_2(capsys, args, message):
+    assert lint_main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and "usage: graphrelay lint" in err
+
+
+def test_cli_timeout_option_forms(capsys):
+    assert lint_main(["--timeout=30", f"{GOOD}:decode_step", "--timeout", "45.5"]) == 0
+    assert "decode_step: capturable" in capsys.readouterr().out
+
+
+def could_not_lint(err: str, target: str) -> str:
+    prefix = f"graphrelay lint: {BROKEN}:{target}: could not be linted: "
+    lines = [line for line in err.splitlines() if line.startswith(prefix)]
+    assert len(lines) == 1, err
+    return lines[0][len(prefix):]
+
+
+def test_cli_exiting_targets_cannot_hide_another_targets_hazard(capsys):
+    targets = ["exits_cleanly", "exits_hard", "exits_in_factory", "aborts"]
+    status = lint_main([f"{BAD}:item_sync"] + [f"{BROKEN}:{t}" for t in targets] + [f"{GOOD}:decode_step"])
+    assert status == 2
+    out, err = capsys.readouterr()
+    # Every target got its turn, in order, whatever the ones before it did.
+    assert "item_sync: 1 capture hazard" in out and "decode_step: capturable" in out
+    assert could_not_lint(err, "exits_cleanly").startswith("the step raised SystemExit: 0 on the example inputs at ")
+    assert could_not_lint(err, "exits_hard") == (
+        "the linter process exited with status 0 before reporting "
+        "(the file, the factory or the step called sys.exit or os._exit)"
+    )
+    assert "exited with status 0 before reporting" in could_not_lint(err, "exits_in_factory")
+    assert could_not_lint(err, "aborts").startswith("the linter process was killed by SIGABRT")
+    # What a step printed before it died is relayed, not lost.
+    assert "the step's own output, before it exits" in out
+
+
+def test_cli_steps_that_run_no_ops_exit_2(capsys):
+    assert lint_main([f"{BROKEN}:generator_step", f"{BROKEN}:does_nothing"]) == 2
+    out, err = capsys.readouterr()
+    assert "capturable" not in out
+    for target in ("generator_step", "does_nothing"):
+        assert could_not_lint(err, target) == (
+            "the step ran no tensor ops (a generator function, or a step that does nothing)"
+        )
+
+
+def test_cli_hanging_steps_time_out(capsys):
+    start = time.monotonic()
+    status = lint_main(["--timeout", "4", f"{BROKEN}:sleeps", f"{BROKEN}:spins", f"{BAD}:item_sync"])
+    assert status == 2
+    assert time.monotonic() - start < 30
+    out, err = capsys.readouterr()
+    assert "item_sync: 1 capture hazard" in out
+    for target in ("sleeps", "spins"):
+        assert could_not_lint(err, target).startswith("timed out after 4 s")
 
 
 def test_graphrelay_lint_command_in_a_subprocess():

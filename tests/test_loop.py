@@ -8,7 +8,8 @@ import torch
 
 from capture.engine import Engine
 from capture.loop import ServingLoop
-from capture.model import ModelConfig, reference_logits
+from capture.model import ModelConfig
+from model_reference import reference_logits
 from capture.workloads import Request, SyntheticWorkload
 
 MODEL = ModelConfig.preset("tiny")
@@ -134,3 +135,11 @@ def test_bad_requests_are_rejected_with_the_request_named():
         loop.run([Request(id="v", prompt=[MODEL.vocab_size], max_new_tokens=2)])
     with pytest.raises(ValueError, match="mode"):
         ServingLoop(engine, "fast")
+
+
+def test_the_loop_passes_on_warnings_it_does_not_count():
+    """Sync counting records warnings; the runner's oversize-batch warning must still reach the user."""
+    engine = Engine(MODEL, max_reqs=6, max_batch=4, device="cpu", use_graphs=False, buckets=[2])
+    engine.capture()
+    with pytest.warns(UserWarning, match="exceeds the largest bucket"):
+        ServingLoop(engine, "overlap").run(workload(num_requests=4, output_len=(3, 5)))

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from capture.model import MODEL_PRESETS, LlamaModel, ModelConfig, reference_logits
+from capture.model import MODEL_PRESETS, LlamaModel, ModelConfig
+from model_reference import reference_logits
 from capture.sampling import sample
 
 MAX_REQS = 6
@@ -253,26 +254,6 @@ def test_decode_rejects_bad_metadata():
         model.decode(good, good, torch.tensor([1.0, 1.0]))
     with pytest.raises(ValueError, match="out must be a float32"):
         model.decode(good, good, good, out=torch.empty(2, 512, dtype=torch.float64))
-
-
-@pytest.mark.parametrize(
-    "tokens, slots, seq_lens, match",
-    [
-        ([512, 0], [1, 0], [3, 1], "tokens holds 512"),
-        ([1, 0], [MAX_REQS + 1, 0], [3, 1], "slots holds 7"),
-        ([1, 0], [1, 0], [256, 1], "seq_lens holds 256"),
-        ([1, 2], [4, 4], [3, 3], "repeat a non-zero slot"),
-    ],
-)
-def test_validate_decode_inputs_rejects_bad_values(tokens, slots, seq_lens, match):
-    model = LlamaModel(ModelConfig(), MAX_REQS, "cpu")
-    with pytest.raises(ValueError, match=match):
-        model.validate_decode_inputs(*(torch.tensor(x) for x in (tokens, slots, seq_lens)))
-
-
-def test_validate_decode_inputs_accepts_repeated_padding_slot():
-    model = LlamaModel(ModelConfig(), MAX_REQS, "cpu")
-    model.validate_decode_inputs(torch.tensor([1, 0, 0]), torch.tensor([2, 0, 0]), torch.tensor([4, 1, 1]))
 
 
 # ----------------------------------------------------------------------------------------------

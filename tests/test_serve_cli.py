@@ -101,3 +101,17 @@ def test_text_and_chat_requests_from_a_file(tmp_path, capsys):
     outputs = {o["id"]: o for o in json.loads(out.read_text())["outputs"]}
     assert outputs["text"]["tokens"] == outputs["chat"]["tokens"]  # the same chat-templated prompt
     assert "Paris" in outputs["chat"]["text"] and outputs["chat"]["finish_reason"] == "stop"
+
+
+def test_bad_numbers_and_streams_are_refused_clearly(tmp_path, capsys):
+    tiny = ["--model", "tiny", "--device", "cpu", "--quiet"]
+    assert serve_main([*tiny, "--rate", "nan"]) == 2
+    assert "rate must be a finite number" in capsys.readouterr().err
+    # Any workload seed works: request seeds are derived inside int64.
+    assert serve_main([*tiny, "--num-requests", "2", "--output-len", "1,2", "--seed", str(2**62)]) == 0
+    capsys.readouterr()
+    assert serve_main([*tiny, "--requests", "/dev/zero"]) == 2  # one endless line: refused, not read whole
+    assert "line longer than" in capsys.readouterr().err
+    assert serve_main([*tiny, "--max-reqs", "100000000", "--max-seq-len", "4096"]) == 2
+    err = capsys.readouterr().err
+    assert "GiB" in err and "lower --max-reqs or --max-seq-len" in err and "Traceback" not in err

@@ -59,6 +59,10 @@ _FIX_PYTHON_DATA = (
     "build the tensor once, outside the step, as a static buffer and pass it in (or fill a "
     "preallocated device buffer with tensor ops)"
 )
+_FIX_IMPLICIT_TENSOR = (
+    "build the index tensor once, outside the step, on the device, and pass it in or keep it "
+    "as state (a buffer the step's owner allocates)"
+)
 FIX_VALUE_DEPENDENT = (
     "make the step branch-free in input values: compute both sides and select with "
     "torch.where, and size outputs by the bucket, not by values"
@@ -156,10 +160,39 @@ def _has_mask_index(indices: Any) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype in _MASK_DTYPES for i in indices or ())
 
 
-def aten_hazard(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Optional[Hazard]:
-    """The hazard of an aten op as dispatched, or None when its output shape is static."""
+def _call_name(func: Callable[..., Any]) -> Optional[str]:
+    name = torch.overrides.resolve_name(func)
+    return name.removeprefix("torch.") if name and name.startswith("torch.Tensor.") else name
+
+
+def _implicit_tensor(fresh: torch.Tensor, caller: Optional[Callable[..., Any]], op: str) -> Optional[Hazard]:
+    # `lift_fresh` marks a tensor just built from Python data. Calls that build one on purpose
+    # (torch.tensor) are reported at function level; this catches the implicit ones, e.g. a
+    # list, range or numpy array used as an index. On the GPU that tensor is built on the host
+    # and copied from pageable memory, which capture refuses.
+    # NOTE: 0-d tensors are skipped. `x[idx] = 1.0` lifts its scalar on CPU only: on the GPU it
+    # is made by a device fill, and a 0-d CPU tensor reaches CUDA kernels as a plain value.
+    if fresh.dim() == 0:
+        return None
+    return Hazard(
+        HazardKind.PYTHON_DATA_TENSOR,
+        (_call_name(caller) if caller is not None else None) or op,
+        _FIX_IMPLICIT_TENSOR,
+        f"builds a CPU {str(fresh.dtype).removeprefix('torch.')} tensor of shape {list(fresh.shape)} "
+        "from Python data (a list, tuple, range or numpy array): on the GPU, a host-to-device "
+        "copy from pageable memory, which capture refuses",
+    )
+
+
+def aten_hazard(
+    func: torch._ops.OpOverload, args: tuple, kwargs: dict, caller: Optional[Callable[..., Any]] = None
+) -> Optional[Hazard]:
+    """The hazard of an aten op as dispatched, or None when it is harmless. `caller` is the
+    torch function the step called that issued the op, when known, to name the hazard by."""
     packet = func.overloadpacket
     op = str(func)
+    if packet is _aten.lift_fresh:
+        return _implicit_tensor(args[0], caller, op)
     if packet in _MASK_READS or packet in _MASK_WRITES:
         if len(args) < 2 or not _has_mask_index(args[1]):
             return None

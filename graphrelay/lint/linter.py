@@ -19,7 +19,13 @@ from graphrelay.lint.report import Finding, HazardKind, LintReport
 
 
 class LintError(RuntimeError):
-    """The step could not be linted: it raised, so no verdict on its capturability exists."""
+    """The step could not be linted (it raised, or ran no tensor ops): no verdict exists.
+    `reason` is the message without the target's name."""
+
+    def __init__(self, target: str, reason: str) -> None:
+        super().__init__(f"{target}: {reason}")
+        self.target = target
+        self.reason = reason
 
 
 def _raise_location(exc: BaseException) -> str:
@@ -33,9 +39,11 @@ def _raise_location(exc: BaseException) -> str:
 def _run(step: Callable[..., Any], inputs: Sequence[Any], target: str, which: str) -> RunRecord:
     try:
         return record_run(step, clone_inputs(inputs))
-    except Exception as exc:
+    # SystemExit too: a step that calls sys.exit is a step that can't be linted, not a reason
+    # for the caller (a test run, the CLI's worker) to stop.
+    except (Exception, SystemExit) as exc:
         raise LintError(
-            f"{target}: the step raised {type(exc).__name__}: {exc} on {which}{_raise_location(exc)}"
+            target, f"the step raised {type(exc).__name__}: {exc} on {which}{_raise_location(exc)}"
         ) from exc
 
 
@@ -80,7 +88,8 @@ def lint_step(
     `alt_inputs` replaces the auto-generated second set of inputs (same structure, shapes and
     dtypes, other values); pass it when the example's values don't bound valid values (e.g. a
     constant tensor, or indices that must be distinct across several inputs). Neither input set
-    is modified. Raises `LintError` when the step raises, `ValueError` on mismatched alt_inputs.
+    is modified. Raises `LintError` when the step raises or runs no tensor ops, `ValueError` on
+    mismatched alt_inputs.
     """
     example = tuple(example_inputs)
     target = target or getattr(step, "__qualname__", repr(step))
@@ -90,12 +99,21 @@ def lint_step(
         alternative = tuple(alt_inputs)
         check_same_layout(example, alternative)
     first = _run(step, example, target, "the example inputs")
+    if not first.trace and not first.ops_in_kernels:
+        # Nothing ran, so nothing was checked: calling a generator function only builds the
+        # generator. "No hazards" would be a verdict on code the linter never saw.
+        raise LintError(target, "the step ran no tensor ops (a generator function, or a step that does nothing)")
     second = _run(step, alternative, target, "the other values")
     findings = dict(first.findings)
     for key, finding in second.findings.items():
         findings.setdefault(key, finding)
     divergence = _divergence(first.trace, second.trace)
-    report = LintReport(target=target, findings=list(findings.values()), ops_recorded=len(first.trace))
+    report = LintReport(
+        target=target,
+        findings=list(findings.values()),
+        ops_recorded=len(first.trace),
+        ran_kernels=first.ops_in_kernels > 0,
+    )
     if divergence is not None:
         report.findings.append(divergence)
     return report

@@ -45,6 +45,12 @@ class RunRecord:
 
     findings: dict[tuple, Finding] = field(default_factory=dict)
     trace: list[TraceEntry] = field(default_factory=list)
+    # Ops issued inside Triton kernel launches: not traced (the interpreter's, not the user's),
+    # but proof that the step did run something.
+    ops_in_kernels: int = 0
+    # The torch function the step called that is running now (the function mode sees only the
+    # outermost one), to name the call an aten op came from: `x[[0, 2]]` is `Tensor.__getitem__`.
+    current_call: Optional[Callable] = None
     # >0 while a call already reported (or exempted) at function level runs, so the aten ops
     # it turns into (`item` -> `_local_scalar_dense`) are not reported a second time.
     _covered_depth: int = 0
@@ -65,6 +71,14 @@ class RunRecord:
     def is_covered(self) -> bool:
         return self._covered_depth > 0
 
+    @contextlib.contextmanager
+    def calling(self, func: Callable) -> Iterator[None]:
+        outer, self.current_call = self.current_call, func
+        try:
+            yield
+        finally:
+            self.current_call = outer
+
 
 def _output_shapes(out: Any) -> tuple:
     # Values never enter the trace (they differ by design between runs); shapes and the kind
@@ -83,17 +97,18 @@ class _Recording:
 class HazardFunctionMode(_Recording, TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        hazard = function_hazard(func, args, kwargs)
-        if hazard is None:
-            return func(*args, **kwargs)
-        site = current_site()
-        if site.in_kernel_launch:
-            return func(*args, **kwargs)
-        if hazard is not EXEMPT:
-            self.record.report(hazard, site.location)
-            self.record.trace.append(TraceEntry(hazard.op, (), site.location))
-        with self.record.covered():
-            return func(*args, **kwargs)
+        with self.record.calling(func):
+            hazard = function_hazard(func, args, kwargs)
+            if hazard is None:
+                return func(*args, **kwargs)
+            site = current_site()
+            if site.in_kernel_launch:
+                return func(*args, **kwargs)
+            if hazard is not EXEMPT:
+                self.record.report(hazard, site.location)
+                self.record.trace.append(TraceEntry(hazard.op, (), site.location))
+            with self.record.covered():
+                return func(*args, **kwargs)
 
 
 class HazardDispatchMode(_Recording, TorchDispatchMode):
@@ -101,8 +116,9 @@ class HazardDispatchMode(_Recording, TorchDispatchMode):
         kwargs = kwargs or {}
         site = current_site()
         if site.in_kernel_launch:
+            self.record.ops_in_kernels += 1
             return func(*args, **kwargs)
-        hazard = aten_hazard(func, args, kwargs)
+        hazard = aten_hazard(func, args, kwargs, self.record.current_call)
         if hazard is not None and not self.record.is_covered:
             # Reported before running: on meta tensors a sync raises, and the finding must stay.
             self.record.report(hazard, site.location)
@@ -118,7 +134,11 @@ def _recording_stand_in(original: Callable, hazard: Hazard, call_original: bool,
         if not site.in_kernel_launch:
             record.report(hazard, site.location)
             record.trace.append(TraceEntry(hazard.op, (), site.location))
-        return original(*args, **kwargs) if call_original else None
+        if not call_original:
+            return None
+        # Its own aten ops (from_numpy's lift_fresh) are part of the hazard just reported.
+        with record.covered():
+            return original(*args, **kwargs)
 
     return stand_in
 

@@ -6,9 +6,10 @@ a one-line fix, so a person can act on it without rerunning anything.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 
 class HazardKind(str, enum.Enum):
@@ -78,6 +79,9 @@ class LintReport:
     target: str
     findings: list[Finding] = field(default_factory=list)
     ops_recorded: int = 0
+    # Whether Triton kernels ran: their launches are checked as one op each on the GPU, so
+    # their bodies are not looked into, and a step of launches alone records no ops.
+    ran_kernels: bool = False
 
     @property
     def ok(self) -> bool:
@@ -88,7 +92,8 @@ class LintReport:
 
     def summary(self) -> str:
         if self.ok:
-            return f"{self.target}: capturable, no hazards ({self.ops_recorded} ops checked)"
+            kernels = ", plus Triton kernel launches" if self.ran_kernels else ""
+            return f"{self.target}: capturable, no hazards ({self.ops_recorded} ops checked{kernels})"
         counts: dict[str, int] = {}
         for finding in self.findings:
             counts[finding.kind.value] = counts.get(finding.kind.value, 0) + 1
@@ -98,3 +103,27 @@ class LintReport:
 
     def format(self) -> str:
         return "\n\n".join([f.format() for f in self.findings] + [self.summary()])
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON data: how a linter subprocess hands its report back to the command."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "LintReport":
+        def location(raw: Optional[dict]) -> Optional[SourceLocation]:
+            return SourceLocation(**raw) if raw is not None else None
+
+        findings = [
+            Finding(
+                kind=HazardKind(f["kind"]),
+                op=f["op"],
+                location=location(f["location"]),
+                fix=f["fix"],
+                detail=f["detail"],
+                other_location=location(f["other_location"]),
+            )
+            for f in data["findings"]
+        ]
+        return cls(
+            target=data["target"], findings=findings, ops_recorded=data["ops_recorded"], ran_kernels=data["ran_kernels"]
+        )

@@ -205,6 +205,46 @@ def from_numpy_array():
     return step, (_x(),)
 
 
+def list_index():
+    """A list index becomes a CPU tensor inside __getitem__: a pageable copy on the GPU."""
+
+    def step(x):
+        return x[[0, 2]]  # <- hazard
+
+    return step, (_x(),)
+
+
+def list_column_index():
+    def step(table):
+        return table[:, [1, 3]]  # <- hazard
+
+    return step, (torch.randn(BUCKET, 8),)
+
+
+def range_index():
+    def step(x):
+        return x[range(2)]  # <- hazard
+
+    return step, (_x(),)
+
+
+def numpy_index():
+    def step(x):
+        return x[np.array([3, 1])]  # <- hazard
+
+    return step, (_x(),)
+
+
+def list_index_assign():
+    """The 0.0 is fine (a device fill on the GPU); the list of rows is not."""
+
+    def step(x):
+        x[[0, 2]] = 0.0  # <- hazard
+        return x
+
+    return step, (_x(),)
+
+
 def value_dependent_branch():
     """`if x.sum() > 0` syncs, and other values take the other branch: both are reported."""
 

@@ -107,4 +107,26 @@ def static_allocations_and_shapes():
     return step, (torch.randn(BUCKET, HIDDEN), torch.tensor([1, 2, 3, 4]))
 
 
-FACTORIES = [relay_gather_scatter, decode_step, top_p_sampling, static_allocations_and_shapes]
+def python_scalars_and_static_indices():
+    """Python numbers become wrapped scalars or device fills, not copies; index tensors built
+    once outside the step are state, like any other buffer."""
+    columns = torch.tensor([1, 3])  # built once, at setup: on the GPU a device buffer
+
+    def step(table, slots):
+        scaled = table * 2.0 + 1
+        scaled[slots] = 0.0  # a scalar write: a fill on the device
+        picked = scaled[:, columns]  # [max_reqs + 1, 2]
+        first = scaled[0, 1] + scaled[(1, 2)]  # Python int indices are views, no tensor built
+        clipped = torch.where(picked > 0, picked, 0.0).clamp(max=3.0)
+        return 1 - clipped[:, :1] * first
+
+    return step, (torch.randn(MAX_REQS + 1, HIDDEN), _slots())
+
+
+FACTORIES = [
+    relay_gather_scatter,
+    decode_step,
+    top_p_sampling,
+    static_allocations_and_shapes,
+    python_scalars_and_static_indices,
+]

@@ -20,3 +20,14 @@ def triton_launch():
         return out + 1  # the only op of the step's own
 
     return step, (torch.randn(5), torch.empty(5))
+
+
+def triton_launch_only():
+    """A step that is one kernel launch: every op it issues is the interpreter's, none traced,
+    yet the step did run (it must not count as a step that does nothing)."""
+
+    def step(x, out):
+        _double[(1,)](x, out, x.numel(), BLOCK=8)
+        return out
+
+    return step, (torch.randn(5), torch.empty(5))

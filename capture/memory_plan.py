@@ -1,0 +1,60 @@
+"""How much memory an engine will take, estimated before anything is allocated, so an
+impossible size is refused with the figure and the fix instead of failing half-built."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import msgspec
+import torch
+
+from capture.model import ModelConfig
+
+
+class MemoryPlan(msgspec.Struct, frozen=True):
+    weights: int
+    kv_cache: int
+    decode_buffers: int  # logits and activations of the largest decode batch (graph memory)
+    prefill_buffers: int  # activations of one prefill iteration
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.decode_buffers + self.prefill_buffers
+
+
+def plan_memory(c: ModelConfig, max_reqs: int, decode_rows: int, prefill_tokens: int) -> MemoryPlan:
+    """Bytes for `max_reqs` slots, `decode_rows` query rows per decode step and a prefill token
+    budget. Activations are counted generously (every layer's widest tensor, float32 logits)."""
+    item = c.torch_dtype.itemsize
+    per_layer = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.hidden_size * c.num_heads * c.head_dim
+    per_layer += 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
+    embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    weights = (c.num_layers * per_layer + embeddings + c.hidden_size) * item
+    kv_cache = 2 * c.num_layers * (max_reqs + 1) * c.max_seq_len * c.num_kv_heads * c.head_dim * item
+    widest = max(2 * c.intermediate_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size)
+    decode = decode_rows * (c.vocab_size * 4 + 4 * widest * item)
+    prefill = prefill_tokens * 4 * widest * item + min(prefill_tokens, max_reqs) * c.vocab_size * 4
+    return MemoryPlan(weights, kv_cache, decode, prefill)
+
+
+def free_bytes(device: torch.device) -> Optional[int]:
+    """Memory free on `device` now, or None when it cannot be told."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+
+
+def check_fits(plan: MemoryPlan, device: torch.device) -> None:
+    free = free_bytes(device)
+    if free is not None and plan.total > free:
+        gib = 2**30
+        raise ValueError(
+            f"this engine needs about {plan.total / gib:.1f} GiB on {device} (KV cache {plan.kv_cache / gib:.1f} GiB, "
+            f"weights {plan.weights / gib:.1f} GiB, decode and prefill buffers "
+            f"{(plan.decode_buffers + plan.prefill_buffers) / gib:.1f} GiB) but {free / gib:.1f} GiB is free; "
+            f"lower --max-reqs or --max-seq-len (the KV cache), or --max-batch / --prefill-tokens"
+        )
