@@ -174,9 +174,9 @@ class Engine:
     def launch(self, batch: HostBatch) -> int:
         """Queue one decode iteration for `batch` (graph replay, or eager); returns its number."""
         n = len(batch.slots)
-        bs = self.runner.bucket(n) or n
+        bs = self.runner.bucket(n) or n  # chosen once: the inputs are padded to it and it runs
         self.inputs.load(batch, bs, self.torch_stream)
-        self.runner.run(n)
+        self.runner.run(bs)
         return self._recorded()
 
     def _recorded(self) -> int:

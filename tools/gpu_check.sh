@@ -55,6 +55,7 @@ step serve "$py" -m tools.cli serve --json "$out/serve.json"
 step serve-spec "$py" -m tools.cli serve --spec ngram --spec-k 4 --json "$out/serve_spec.json"
 if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
     step bench-e2e "$py" -m tools.cli bench e2e --time-budget 420 --out "$out"
+    step bench-spec "$py" -m tools.cli bench spec --out "$out"
     step bench-relay "$py" -m tools.cli bench relay --out "$out"
     step bench-loop "$py" -m tools.cli bench loop --out "$out"
 fi

@@ -57,15 +57,8 @@ class Plan(msgspec.Struct, frozen=True):
     smoke: bool
 
 
-class _Parser(argparse.ArgumentParser):
-    """A bad option is one line on stderr (a `UsageError`), not argparse's usage block."""
-
-    def error(self, message: str):
-        raise options.UsageError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=COMMAND, description=__doc__.split("\n\n")[0])
+    parser = options.OneLineParser(prog=COMMAND, description=__doc__.split("\n\n")[0])
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {','.join(SYSTEMS)} (default all)")
     parser.add_argument("--batches", type=options.int_list, default=None, help="batch sizes (default 1,8,64,256)")
     parser.add_argument("--prompt-lens", type=options.int_list, default=None, help="prompt lengths in tokens (default 128,512)")

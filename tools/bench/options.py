@@ -20,6 +20,13 @@ class UsageError(Exception):
     """A problem with how the benchmark was invoked; the message says what to change."""
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A bad option is one line on stderr (a `UsageError`), not argparse's usage block."""
+
+    def error(self, message: str):
+        raise UsageError(message)
+
+
 def add_common_options(parser: argparse.ArgumentParser, *, default_iters: int, default_repeats: int) -> None:
     parser.add_argument("--out", default=None,
                         help="folder for the JSON and PNG results (default: results/; with --smoke results/tmp/, "
