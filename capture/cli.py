@@ -17,7 +17,7 @@ import msgspec
 import torch
 
 from capture.checkpoint import ENV_VAR
-from capture.engine import Engine
+from capture.engine import Engine, EngineConfig
 from capture.loop import MODES, LoopResult, ServingLoop
 from capture.model import MODEL_DTYPES, MODEL_PRESETS
 from capture.model_source import WEIGHT_SOURCES, LoadedModel, default_dtype, load_model
@@ -139,8 +139,8 @@ def generate_main(argv: list[str]) -> int:
                              f"--max-seq-len {loaded.config.max_seq_len}; raise --max-seq-len")
         request = Request(id="0", prompt=prompt, max_new_tokens=args.max_new_tokens, stop_tokens=loaded.codec.stop_tokens,
                           sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed))
-        engine = Engine(loaded.config, max_reqs=1, max_batch=1, device=device, use_graphs=device.type == "cuda",
-                        weights=loaded.weights, spec=_spec(args))
+        engine = Engine(EngineConfig(loaded.config, max_reqs=1, max_batch=1, device=str(device),
+                                     use_graphs=device.type == "cuda", spec=_spec(args)), weights=loaded.weights)
         engine.capture()
         result = ServingLoop(engine, "overlap").run([request])
     except (WorkloadError, ValueError, RuntimeError) as exc:
@@ -170,11 +170,12 @@ def _serve(args) -> int:
     use_graphs = device.type == "cuda" and args.mode != "eager"
     say(f"graphrelay serve: {len(requests)} requests, model {loaded.source} ({model.dtype}), mode {args.mode}, "
         f"device {device}{'' if use_graphs else ' (no CUDA graphs)'}")
-    engine = Engine(
-        model, max_reqs=args.max_reqs, max_batch=args.max_batch, device=device, use_graphs=use_graphs,
-        buckets=args.buckets, max_top_k=args.max_top_k, prefill_tokens=args.prefill_tokens,
-        weights=loaded.weights, spec=_spec(args), progress=not args.quiet,
+    config = EngineConfig(
+        model, max_reqs=args.max_reqs, max_batch=args.max_batch, device=str(device), use_graphs=use_graphs,
+        buckets=tuple(args.buckets) if args.buckets else None, max_top_k=args.max_top_k,
+        prefill_tokens=args.prefill_tokens, spec=_spec(args),
     )
+    engine = Engine(config, weights=loaded.weights, progress=not args.quiet)
     loop = ServingLoop(engine, args.mode)
     loop.check_requests(requests)
     capture = engine.capture()

@@ -40,47 +40,68 @@ class PrefillChunk(msgspec.Struct, frozen=True):
     params: SamplingParams
 
 
-class Engine:
-    """Everything one decode iteration touches, allocated up front for `device`.
+class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Everything an `Engine` is sized by, validated where it is built.
 
     use_graphs: capture one CUDA graph per bucket (GPU only); otherwise the step runs
-    eagerly on the same padded buckets, so both modes see identical shapes.
+    eagerly on the same padded buckets, so both modes see identical shapes. buckets: the
+    batch sizes captured (default: dense small, coarse large, up to max_batch).
     """
 
-    def __init__(
-        self,
-        model_config: ModelConfig,
-        *,
-        max_reqs: int,
-        max_batch: int,
-        device: torch.device | str,
-        use_graphs: bool = True,
-        buckets: Optional[Sequence[int]] = None,
-        max_top_k: Optional[int] = 64,
-        mirror_depth: int = 3,
-        prefill_tokens: int = 2048,
-        weights: Optional[ModelWeights] = None,
-        spec: Optional[SpecConfig] = None,
-        debug: bool = False,
-        progress: bool = False,
-    ):
-        if not isinstance(prefill_tokens, int) or prefill_tokens < 1:
-            raise ValueError(f"prefill_tokens (the token budget of one prefill iteration) must be a positive int, got {prefill_tokens!r}")
-        self.device = torch.device(device)
+    model: ModelConfig
+    max_reqs: int
+    max_batch: int
+    device: str = "cpu"
+    use_graphs: bool = True
+    buckets: Optional[tuple[int, ...]] = None
+    max_top_k: Optional[int] = 64
+    mirror_depth: int = 3
+    prefill_tokens: int = 2048
+    spec: Optional[SpecConfig] = None
+    debug: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_reqs", "max_batch", "mirror_depth", "prefill_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        if self.max_top_k is not None and (not isinstance(self.max_top_k, int) or self.max_top_k < 1):
+            raise ValueError(f"EngineConfig.max_top_k must be None or a positive int, got {self.max_top_k!r}")
+
+    @property
+    def decode_rows(self) -> int:
+        """Query rows of the largest decode step: k + 1 per request when speculating."""
+        return self.max_batch * (self.spec.rows if self.spec else 1)
+
+
+class Engine:
+    """Everything one decode iteration touches, allocated up front from one `EngineConfig`:
+    relay, model, host mirror, input surface, step and graph runner. The CLI, the benchmarks,
+    the tests and the lint targets all build through it.
+
+    weights: the model's real weights (None: seeded random ones). progress: print capture
+    progress.
+    """
+
+    def __init__(self, config: EngineConfig, *, weights: Optional[ModelWeights] = None, progress: bool = False):
+        self.config = config
+        model_config, max_reqs, max_batch, spec = config.model, config.max_reqs, config.max_batch, config.spec
+        max_top_k, prefill_tokens = config.max_top_k, config.prefill_tokens
+        self.device = torch.device(config.device)
         self.on_gpu = self.device.type == "cuda"
         # Speculative decoding verifies k + 1 query rows per request and reports each through
         # its own mirror row, so the relay (whose max_batch sizes the mirror) and the model's
         # decode buffers hold that many rows.
-        rows = max_batch * (spec.rows if spec else 1)
+        rows = config.decode_rows
         check_fits(plan_memory(model_config, max_reqs, rows, prefill_tokens), self.device)
         extra = {}
         if spec is not None:
             extra = dict(accepted_tokens=FieldSpec((spec.rows,), "int32"), accept_len=FieldSpec((), "int32"))
-        relay_config = RelayConfig.plain(max_reqs, rows, debug=debug, **extra)
+        relay_config = RelayConfig.plain(max_reqs, rows, debug=config.debug, **extra)
         self.relay = Relay(relay_config, self.device, validate=False)
         self.model = LlamaModel(model_config, max_reqs, self.device, weights=weights, max_decode_rows=rows)
         self.prefill_tokens = prefill_tokens
-        self.mirror = HostMirror(self.relay, depth=mirror_depth, validate=False)
+        self.mirror = HostMirror(self.relay, depth=config.mirror_depth, validate=False)
         self.inputs = DecodeInputs(max_batch, self.device)
         self.spec = spec
         self.history = None
@@ -91,8 +112,8 @@ class Engine:
             self.step = SpecDecodeStep(self.relay, self.model, self.mirror, self.inputs, self.history, spec,
                                        max_top_k=max_top_k)
         self.runner = GraphRunner(
-            self.step, list(buckets) if buckets else default_buckets(max_batch), max_batch, self.device,
-            use_graphs=use_graphs, progress=progress,
+            self.step, list(config.buckets) if config.buckets else default_buckets(max_batch), max_batch, self.device,
+            use_graphs=config.use_graphs, progress=progress,
         )
         self.max_top_k = max_top_k
         # A pooled torch stream, wrapped: torch's pinned tensors (staging, prompts) are copied

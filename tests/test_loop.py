@@ -4,9 +4,8 @@ should, aborts leave the others unchanged, and a soak with heavy slot churn comp
 from __future__ import annotations
 
 import pytest
-import torch
 
-from capture.engine import Engine
+from capture.engine import Engine, EngineConfig
 from capture.loop import ServingLoop
 from capture.model import ModelConfig
 from model_reference import reference_logits
@@ -18,10 +17,10 @@ MODEL = ModelConfig.preset("tiny")
 def make_engine(mode: str, device: str, max_reqs: int = 6, max_batch: int = 4, buckets=None) -> Engine:
     # One bucket: every mode runs every step at the same shape, so per-row results (and greedy
     # tokens) are bit-identical across modes (see README: "Where the modes may differ").
-    engine = Engine(
+    engine = Engine(EngineConfig(
         MODEL, max_reqs=max_reqs, max_batch=max_batch, device=device,
-        use_graphs=mode != "eager", buckets=buckets or [max_batch], max_top_k=64, debug=True,
-    )
+        use_graphs=mode != "eager", buckets=tuple(buckets or [max_batch]), debug=True,
+    ))
     engine.capture()
     return engine
 
@@ -139,7 +138,13 @@ def test_bad_requests_are_rejected_with_the_request_named():
 
 def test_the_loop_passes_on_warnings_it_does_not_count():
     """Sync counting records warnings; the runner's oversize-batch warning must still reach the user."""
-    engine = Engine(MODEL, max_reqs=6, max_batch=4, device="cpu", use_graphs=False, buckets=[2])
+    engine = Engine(EngineConfig(MODEL, max_reqs=6, max_batch=4, use_graphs=False, buckets=(2,)))
     engine.capture()
     with pytest.warns(UserWarning, match="exceeds the largest bucket"):
         ServingLoop(engine, "overlap").run(workload(num_requests=4, output_len=(3, 5)))
+
+
+@pytest.mark.parametrize("field, value", [("max_batch", 0), ("max_reqs", -1), ("prefill_tokens", 1.5), ("max_top_k", 0)])
+def test_engine_config_rejects_bad_sizes_by_name(field, value):
+    with pytest.raises(ValueError, match=f"EngineConfig.{field} must be"):
+        EngineConfig(MODEL, **{"max_reqs": 4, "max_batch": 2, field: value})

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from capture.engine import Engine
+from capture.engine import Engine, EngineConfig
 from capture.loop import ServingLoop
 from capture.model import ModelConfig
 from capture.spec_step import SpecConfig
@@ -17,8 +17,8 @@ SPEC = SpecConfig(k=3, min_n=1, max_n=3)
 
 
 def serve(mode: str, requests, device: str, spec=None, max_batch: int = 4):
-    engine = Engine(MODEL, max_reqs=6, max_batch=max_batch, device=device, use_graphs=mode != "eager",
-                    buckets=[max_batch], max_top_k=64, spec=spec, debug=True)
+    engine = Engine(EngineConfig(MODEL, max_reqs=6, max_batch=max_batch, device=device, use_graphs=mode != "eager",
+                                 buckets=(max_batch,), spec=spec, debug=True))
     engine.capture()
     result = ServingLoop(engine, mode).run(requests)
     engine.relay.check()

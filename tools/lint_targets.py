@@ -17,10 +17,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from capture.engine import Engine  # noqa: E402
-from capture.model import LlamaModel, ModelConfig  # noqa: E402
+from capture.engine import Engine, EngineConfig  # noqa: E402
+from capture.model import ModelConfig  # noqa: E402
 from capture.spec_step import SpecConfig  # noqa: E402
-from capture.step import DecodeStep  # noqa: E402
 from capture.surface import DecodeInputs  # noqa: E402
 from graphrelay import FieldSpec, HostMirror, Relay, RelayConfig, RelayPayload  # noqa: E402
 
@@ -90,17 +89,13 @@ def mirror_write():
 
 def decode_step():
     """The serving loop's per-iteration device work: the step its graphs capture."""
-    config = RelayConfig.plain(8, 4)
-    relay = Relay(config, "cpu", backend="triton", validate=False)
-    mirror = HostMirror(relay, use_triton=os.environ.get("TRITON_INTERPRET") == "1", validate=False)
-    inputs = DecodeInputs(config.max_batch, "cpu")
-    step = DecodeStep(relay, LlamaModel(ModelConfig(), config.max_reqs, "cpu"), mirror, inputs, max_top_k=64)
-    return _through_surface(inputs, step)
+    engine = Engine(EngineConfig(ModelConfig(), max_reqs=8, max_batch=4, use_graphs=False))
+    return _through_surface(engine.inputs, engine.step)
 
 
 def spec_decode_step():
     """The speculative iteration: drafting, verify, acceptance, relay and mirror, as captured."""
-    engine = Engine(ModelConfig(), max_reqs=8, max_batch=4, device="cpu", use_graphs=False, spec=SpecConfig(k=3))
+    engine = Engine(EngineConfig(ModelConfig(), max_reqs=8, max_batch=4, use_graphs=False, spec=SpecConfig(k=3)))
     return _through_surface(engine.inputs, engine.step)
 
 

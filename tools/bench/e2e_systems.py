@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 import torch
 
-from capture.engine import Engine
+from capture.engine import Engine, EngineConfig
 from capture.loop import ServingLoop
 from capture.model import ModelConfig
 from capture.workloads import Request
@@ -87,8 +87,8 @@ def run_graphrelay(model: ModelConfig, batch_prompts: list[list[int]], output_le
     config = msgspec.structs.replace(model, max_seq_len=prompt_len + output_len)
     # All B prompts prefill in one iteration when the budget allows, as HF prefills them.
     budget = max(2048, min(batch * prompt_len, MAX_PREFILL_TOKENS))
-    engine = Engine(config, max_reqs=batch, max_batch=batch, device=device, use_graphs=device.type == "cuda",
-                    buckets=[batch], max_top_k=TOP_K_WIDTH, prefill_tokens=budget)
+    engine = Engine(EngineConfig(config, max_reqs=batch, max_batch=batch, device=str(device), use_graphs=device.type == "cuda",
+                                 buckets=(batch,), max_top_k=TOP_K_WIDTH, prefill_tokens=budget))
     capture = engine.capture()
 
     def requests(tag: str, n: int) -> list[Request]:

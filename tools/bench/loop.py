@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from capture.engine import Engine
+from capture.engine import Engine, EngineConfig
 from capture.loop import ServingLoop
 from capture.model import MODEL_PRESETS, ModelConfig
 from capture.workloads import SyntheticWorkload
@@ -89,7 +89,7 @@ def run_model(name: str, sizes: dict[str, Any], device, seed: int) -> list[dict[
         vocab_size=model.vocab_size, seed=seed,
     ).requests()
     print(f"{COMMAND}: {name}: building the engine", file=sys.stderr, flush=True)
-    engine = Engine(model, max_reqs=sizes["max_reqs"], max_batch=sizes["max_batch"], device=device, max_top_k=64)
+    engine = Engine(EngineConfig(model, max_reqs=sizes["max_reqs"], max_batch=sizes["max_batch"], device=str(device), max_top_k=64))
     rows, capture = [], None
     for mode in MODES:
         if mode != "eager" and capture is None:

@@ -32,7 +32,7 @@ import msgspec
 import torch
 
 from capture.checkpoint import ModelFileError
-from capture.engine import Engine
+from capture.engine import Engine, EngineConfig
 from capture.loop import LoopResult, ServingLoop
 from capture.model import ModelConfig, ModelWeights
 from capture.model_source import LoadedModel, default_dtype, load_model
@@ -229,8 +229,8 @@ def serve(config: ModelConfig, weights: Optional[ModelWeights], requests: list[R
     """One engine sized for exactly this batch; an untimed short run first (Triton compiles,
     first-use allocations), then the timed one."""
     batch = len(requests)
-    engine = Engine(config, max_reqs=batch, max_batch=batch, device=device, use_graphs=device.type == "cuda",
-                    buckets=[batch], max_top_k=TOP_K_WIDTH, weights=weights, spec=spec)
+    engine = Engine(EngineConfig(config, max_reqs=batch, max_batch=batch, device=str(device), use_graphs=device.type == "cuda",
+                                 buckets=(batch,), max_top_k=TOP_K_WIDTH, spec=spec), weights=weights)
     engine.capture()
     warm = [msgspec.structs.replace(r, id=f"warm-{r.id}", max_new_tokens=min(r.max_new_tokens, WARM_OUTPUT_LEN))
             for r in requests]
