@@ -100,10 +100,8 @@ class Engine:
         relay_config = RelayConfig.plain(max_reqs, rows, debug=config.debug, **extra)
         self.relay = Relay(relay_config, self.device, validate=False)
         self.model = LlamaModel(model_config, max_reqs, self.device, weights=weights, max_decode_rows=rows)
-        self.prefill_tokens = prefill_tokens
         self.mirror = HostMirror(self.relay, depth=config.mirror_depth, validate=False)
         self.inputs = DecodeInputs(max_batch, self.device)
-        self.spec = spec
         self.history = None
         if spec is None:
             self.step = DecodeStep(self.relay, self.model, self.mirror, self.inputs, max_top_k=max_top_k)
@@ -115,7 +113,6 @@ class Engine:
             self.step, list(config.buckets) if config.buckets else default_buckets(max_batch), max_batch, self.device,
             use_graphs=config.use_graphs, progress=progress,
         )
-        self.max_top_k = max_top_k
         # A pooled torch stream, wrapped: torch's pinned tensors (staging, prompts) are copied
         # on it and outlive any one engine (see graphrelay.runtime.Stream).
         self.torch_stream = torch.cuda.Stream(self.device) if self.on_gpu else None
@@ -181,12 +178,12 @@ class Engine:
         params = torch.tensor([[c.params.temperature for c in chunks], [c.params.top_p for c in chunks]])
         dev, dev_params = to_device_async(host, self.device), to_device_async(params, self.device)
         slots = dev[0]
-        tokens = sample(logits, dev_params[0], dev[1], dev[2], dev[3], top_p=dev_params[1], max_top_k=self.max_top_k)
+        tokens = sample(logits, dev_params[0], dev[1], dev[2], dev[3], top_p=dev_params[1], max_top_k=self.config.max_top_k)
         seq_lens = dev[4].to(self.relay.config.seq_len_torch_dtype)
         payload, accept_len = RelayPayload(tokens=tokens), None
-        if self.spec is not None:  # a speculative relay carries the accepted run: here one token
+        if self.config.spec is not None:  # a speculative relay carries the accepted run: here one token
             accept_len = torch.ones_like(slots)
-            accepted = torch.nn.functional.pad(tokens[:, None], (0, self.spec.k))  # [B, k + 1]
+            accepted = torch.nn.functional.pad(tokens[:, None], (0, self.config.spec.k))  # [B, k + 1]
             payload = RelayPayload(tokens=tokens, accepted_tokens=accepted, accept_len=accept_len)
         self.relay.stash_and_publish(slots, payload, seq_lens)
         self.mirror.write(slots, tokens, seq_lens, accept_len=accept_len)

@@ -174,7 +174,7 @@ class _Run:
     def _prefill(self) -> bool:
         """Launch one prefill iteration: unfinished prompts first (FIFO), then new arrivals,
         chunked to the engine's token budget so a long prompt never stalls decode for long."""
-        budget, chunks = self.engine.prefill_tokens, []
+        budget, chunks = self.engine.config.prefill_tokens, []
         rows = [self.live[s] for s in self.order if self.live[s].done is None and self.live[s].prompt_left()]
         now = self.clock.elapsed()
         while budget > 0 and len(chunks) < self.engine.max_batch:
