@@ -18,6 +18,7 @@ import msgspec
 import torch
 
 from capture.buckets import bucket_for, check_buckets
+from graphrelay.runtime import graph_node_count
 
 WARMUP_RUNS = 2
 
@@ -26,6 +27,7 @@ class CaptureReport(msgspec.Struct):
     buckets: list[int]
     seconds: float  # warm-up + capture, all buckets
     graph_memory_bytes: int  # device memory the shared pool reserved for the graphs
+    nodes: dict[int, int] = {}  # bucket -> node count of its captured graph (read from the graph)
 
 
 class GraphRunner:
@@ -76,16 +78,20 @@ class GraphRunner:
             self._warm_up(bs, side)
         torch.cuda.synchronize(self.device)
         reserved_before = torch.cuda.memory_reserved(self.device)
+        nodes: dict[int, int] = {}
         for n, bs in enumerate(order, 1):
             if self.progress:
                 print(f"\rcapturing CUDA graphs: bucket {bs:4d} ({n}/{len(order)})", end="", file=sys.stderr, flush=True)
-            graph = torch.cuda.CUDAGraph()
+            # keep_graph: the captured cudaGraph_t stays readable, so its nodes can be counted.
+            graph = torch.cuda.CUDAGraph(keep_graph=True)
             with torch.cuda.graph(graph, pool=pool, stream=side):
                 self.step(bs)
+            graph.instantiate()
+            nodes[bs] = graph_node_count(graph.raw_cuda_graph())
             self.graphs[bs] = graph
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
-        self.report = CaptureReport(self.buckets, seconds, torch.cuda.memory_reserved(self.device) - reserved_before)
+        self.report = CaptureReport(self.buckets, seconds, torch.cuda.memory_reserved(self.device) - reserved_before, nodes)
         if self.progress:
             print(f"\rcaptured {len(order)} CUDA graphs in {seconds:.1f} s, "
                   f"{self.report.graph_memory_bytes / 2**20:.1f} MiB", file=sys.stderr, flush=True)

@@ -47,6 +47,14 @@ def _cuda(fn, *args):
     return values[0] if values else None
 
 
+def graph_node_count(raw_graph: int) -> int:
+    """Nodes in a captured `cudaGraph_t` (torch's `CUDAGraph.raw_cuda_graph()`, kept with
+    `keep_graph=True`): kernels, copies and memsets, as the GPU will run them."""
+    err, _nodes, count = cudart.cudaGraphGetNodes(cudart.cudaGraph_t(init_value=raw_graph), 0)
+    check(err, "cudaGraphGetNodes")
+    return int(count)
+
+
 @functools.cache
 def _driver_status() -> tuple[int, str]:
     """(device count, why not) from the driver; count 0 means host mode."""

@@ -96,6 +96,24 @@ def test_capture_every_bucket_under_sync_debug(twins):
     assert runner.graphs == {} and torch.cuda.get_sync_debug_mode() == 0
 
 
+def test_node_count_is_read_from_the_captured_graph(twins):
+    """The report's node counts come from the graphs themselves: a step of exactly three
+    kernels captures three nodes per bucket, and the real step's graphs are non-trivial."""
+    x = torch.zeros(8, device=DEVICE)
+    y = torch.zeros(8, device=DEVICE)
+
+    def three_kernels(bs: int) -> None:
+        x[:bs].add_(1)
+        y[:bs].mul_(2)
+        y[:bs].add_(x[:bs])
+
+    runner = GraphRunner(three_kernels, [2, 8], 8, DEVICE)
+    assert runner.capture().nodes == {2: 3, 8: 3}
+    graph, _ = twins
+    assert set(graph.stack.runner.report.nodes) == set(BUCKETS)
+    assert all(n > 3 for n in graph.stack.runner.report.nodes.values())
+
+
 def test_every_bucket_replay_equals_eager(twins):
     """For every bucket, full (no padding) and with the most padding that bucket sees, twice in
     a row (the second step consumes what the first stashed): the replay leaves relay rows, KV

@@ -32,7 +32,7 @@ JSON_NAME = "e2e_bench.json"
 PLOT_NAME = "e2e_bench.png"
 SYSTEMS = ("graphrelay", "hf-static", "hf-dynamic")
 ROW_KEYS = ("system", "batch", "prompt_len", "output_len", "decode_step_us", "iter_us_median", "decode_tokens_per_s",
-            "tokens_per_s", "ttft_ms", "capture_s", "floor_us", "note")
+            "tokens_per_s", "ttft_ms", "capture_s", "graph_nodes", "floor_us", "note")
 FULL = dict(model="smollm2-135m", batches=[1, 8, 64, 256], prompt_lens=[128, 512], output_len=128)
 SMOKE = dict(model="tiny", batches=[1, 2], prompt_lens=[8], output_len=4)
 
@@ -151,8 +151,9 @@ def measure(system: str, model: ModelConfig, batch: int, prompt_len: int, plan: 
 
 def merge_rows(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rows keyed by (system, batch, prompt_len): a new row replaces the old one, except that
-    a skipped or failed row never replaces a measured one. Sorted as `cells` runs them."""
-    merged = {(r["system"], r["batch"], r["prompt_len"]): r for r in old}
+    a skipped or failed row never replaces a measured one. Sorted as `cells` runs them.
+    Old rows written before a key existed get it as None."""
+    merged = {(r["system"], r["batch"], r["prompt_len"]): {**dict.fromkeys(ROW_KEYS), **r} for r in old}
     for row in new:
         key = (row["system"], row["batch"], row["prompt_len"])
         if key in merged and row["tokens_per_s"] is None and merged[key]["tokens_per_s"] is not None:
@@ -271,6 +272,7 @@ def tables(rows: list[dict[str, Any]], plan: Plan) -> str:
 
     step_rows = [[f"{b} / {p}", _num(next(r["floor_us"] for r in rows if (r["batch"], r["prompt_len"]) == (b, p)), ",.1f"),
                   get("graphrelay", (b, p), "decode_step_us", ",.0f"), get("graphrelay", (b, p), "iter_us_median", ",.0f"),
+                  get("graphrelay", (b, p), "graph_nodes", "d"),
                   get("hf-static", (b, p), "decode_step_us", ",.0f"), get("hf-dynamic", (b, p), "decode_step_us", ",.0f"),
                   ratio((b, p), "decode_step_us", "hf-static", "graphrelay")] for b, p in shapes]
     e2e_rows = [[f"{b} / {p}", *(get(s, (b, p), "tokens_per_s", ",.0f") for s in SYSTEMS),
@@ -281,7 +283,7 @@ def tables(rows: list[dict[str, Any]], plan: Plan) -> str:
     if plan.smoke:
         title = "SMOKE RUN: tiny sizes, timings are meaningless\n" + title
     step_table = results.format_table(
-        ["batch / prompt", "floor µs", "graphrelay µs", "gr iter µs", "hf-static µs", "hf-dynamic µs", "static/gr"], step_rows)
+        ["batch / prompt", "floor µs", "graphrelay µs", "gr iter µs", "gr graph nodes", "hf-static µs", "hf-dynamic µs", "static/gr"], step_rows)
     e2e_table = results.format_table(
         ["batch / prompt", "graphrelay tok/s", "hf-static tok/s", "hf-dynamic tok/s", "gr/static",
          "gr TTFT ms", "static TTFT ms", "dynamic TTFT ms"], e2e_rows)

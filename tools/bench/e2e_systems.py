@@ -113,6 +113,7 @@ def run_graphrelay(model: ModelConfig, batch_prompts: list[list[int]], output_le
         "tokens_per_s": batch * output_len / stats.wall_s,
         "ttft_ms": sum(ttfts) / len(ttfts),
         "capture_s": capture.seconds,
+        "graph_nodes": capture.nodes.get(batch),  # None on CPU: nothing captured
         "note": note,
     }
 
