@@ -18,11 +18,14 @@ import torch
 
 from capture.checkpoint import ENV_VAR
 from capture.engine import Engine, EngineConfig
+from capture.graph_runner import CaptureReport
 from capture.loop import MODES, LoopResult, ServingLoop
 from capture.model import MODEL_DTYPES, MODEL_PRESETS
 from capture.model_source import WEIGHT_SOURCES, LoadedModel, default_dtype, load_model
 from capture.sampling import SamplingParams
 from capture.spec_step import SpecConfig
+from capture.tp_launch import RankFailed, run_ranks
+from capture.tp_serve import serve_rank
 from capture.workloads import Request, SyntheticWorkload, WorkloadError, demo_requests, load_jsonl
 
 
@@ -66,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-tokens", type=int, default=2048, help="token budget of one prefill iteration (default 2048)")
     p.add_argument("--buckets", type=_int_list, default=None, help="batch-size buckets to capture (default: dense small, coarse large)")
     p.add_argument("--max-top-k", type=int, default=64, help="static cap on top-k sampling width")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks: spawns one process per GPU (NCCL; gloo on --device cpu); default 1")
     p.add_argument("--json", type=Path, help="also write the summary (and outputs) as JSON to this path")
     p.add_argument("--show", type=int, default=3, help="completions to print (default 3)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -175,19 +180,26 @@ def _serve(args) -> int:
         buckets=tuple(args.buckets) if args.buckets else None, max_top_k=args.max_top_k,
         prefill_tokens=args.prefill_tokens, spec=_spec(args),
     )
-    engine = Engine(config, weights=loaded.weights, progress=not args.quiet)
-    loop = ServingLoop(engine, args.mode)
-    loop.check_requests(requests)
-    capture = engine.capture()
-    progress = None if args.quiet else (
-        lambda s: say(f"  iter {s['iterations']:6d} | running {s['running']:3d} | done {s['done']:4d} | "
-                      f"waiting {s['pending']:4d} | {s['elapsed_s']:6.1f} s")
-    )
-    result = loop.run(requests, progress=progress)
+    if args.tp < 1:
+        raise ValueError(f"--tp must be at least 1, got {args.tp}")
+    if args.tp > 1:
+        result, capture, tp_line = _serve_tensor_parallel(args.tp, config, requests, args.mode, loaded, device, say)
+    else:
+        engine = Engine(config, weights=loaded.weights, progress=not args.quiet)
+        loop = ServingLoop(engine, args.mode)
+        loop.check_requests(requests)
+        capture = engine.capture()
+        progress = None if args.quiet else (
+            lambda s: say(f"  iter {s['iterations']:6d} | running {s['running']:3d} | done {s['done']:4d} | "
+                          f"waiting {s['pending']:4d} | {s['elapsed_s']:6.1f} s")
+        )
+        result, tp_line = loop.run(requests, progress=progress), None
     if loaded.codec is not None:
         for out in result.outputs.values():
             out.text = loaded.codec.decode(out.tokens)
     print(format_summary(result, capture.seconds, capture.graph_memory_bytes))
+    if tp_line:
+        print(tp_line)
     # In request order, so the first built-in question (the capital of France) leads.
     shown = [result.outputs[r.id] for r in requests if result.outputs[r.id].text is not None][: max(0, args.show)]
     prompts = {r.id: r.prompt for r in requests}
@@ -201,6 +213,24 @@ def _serve(args) -> int:
         payload = {"model": loaded.source, "stats": result.stats, "capture": capture, "outputs": list(result.outputs.values())}
         write_atomically(args.json, msgspec.json.format(msgspec.json.encode(payload)))
     return 0
+
+
+def _serve_tensor_parallel(world: int, config: EngineConfig, requests: list[Request], mode: str, loaded: LoadedModel,
+                           device: torch.device, say) -> tuple[LoopResult, CaptureReport, str]:
+    """Serve on `world` spawned ranks (capture.tp_launch); returns rank 0's loop result, its
+    capture report and a summary line on every rank's host syncs and relay agreement."""
+    config.model.shard(world)  # a model that does not split is refused before any process starts
+    if device.type == "cuda" and torch.cuda.device_count() < world:
+        raise ValueError(f"--tp {world} needs {world} GPUs, this machine has {torch.cuda.device_count()}; lower --tp")
+    say(f"tensor parallel: spawning {world} ranks ({'NCCL' if device.type == 'cuda' else 'gloo'}), rank 0 schedules")
+    try:
+        out = run_ranks(world, serve_rank, config, requests, mode, None, loaded.weights, False, device_type=device.type)
+    except RankFailed as exc:
+        raise RuntimeError(f"tensor-parallel run failed: {exc}") from None
+    same = all(r.relay == out.ranks[0].relay for r in out.ranks)
+    line = (f"tensor parallel  {world} ranks; host syncs per rank {[r.host_syncs for r in out.ranks]}; "
+            f"relay contents identical on every rank: {'yes' if same else 'NO'}")
+    return out.result, out.capture, line
 
 
 def check_output_path(path: Path) -> None:

@@ -20,24 +20,15 @@ from capture.graph_runner import CaptureReport, GraphRunner
 from capture.memory_plan import check_fits, plan_memory
 from capture.model import LlamaModel, ModelConfig, ModelWeights
 from capture.ngram import TokenHistory
-from capture.sampling import SamplingParams, sample
+from capture.sampling import sample
 from capture.spec_step import SpecConfig, SpecDecodeStep
 from capture.step import DecodeStep
-from capture.surface import DecodeInputs, HostBatch
+from capture.sync_count import HostSyncCounter
+from capture.surface import DecodeInputs, HostBatch, PrefillChunk
+from capture.tensor_parallel import Command, LaunchCommand, PrefillCommand, StopCommand, TensorParallel
 from graphrelay import FieldSpec, Relay, RelayConfig, RelayPayload
 from graphrelay.mirror import HostMirror, MirrorRead
 from graphrelay.runtime import Stream, to_device_async
-
-
-class PrefillChunk(msgspec.Struct, frozen=True):
-    """Part of a prompt to prefill: `tokens` go to positions `start ..` of `slot`; `last` marks
-    the chunk that ends the prompt (its last token's output is sampled)."""
-
-    slot: int
-    tokens: list[int]
-    start: int
-    last: bool
-    params: SamplingParams
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -79,12 +70,16 @@ class Engine:
     relay, model, host mirror, input surface, step and graph runner. The CLI, the benchmarks,
     the tests and the lint targets all build through it.
 
-    weights: the model's real weights (None: seeded random ones). progress: print capture
-    progress.
+    weights: the model's real weights, whole (None: seeded random ones). progress: print
+    capture progress. tp: this process's rank in a tensor-parallel group: every rank builds
+    the same engine over its shard of the model; rank 0's `prefill` and `launch` also send
+    the command to the others, which run it from `follow` (see `capture.tensor_parallel`).
     """
 
-    def __init__(self, config: EngineConfig, *, weights: Optional[ModelWeights] = None, progress: bool = False):
+    def __init__(self, config: EngineConfig, *, weights: Optional[ModelWeights] = None, progress: bool = False,
+                 tp: Optional[TensorParallel] = None):
         self.config = config
+        self.tp = tp
         model_config, max_reqs, max_batch, spec = config.model, config.max_reqs, config.max_batch, config.spec
         max_top_k, prefill_tokens = config.max_top_k, config.prefill_tokens
         self.device = torch.device(config.device)
@@ -93,13 +88,13 @@ class Engine:
         # its own mirror row, so the relay (whose max_batch sizes the mirror) and the model's
         # decode buffers hold that many rows.
         rows = config.decode_rows
-        check_fits(plan_memory(model_config, max_reqs, rows, prefill_tokens), self.device)
+        check_fits(plan_memory(model_config.shard(tp.world if tp else 1), max_reqs, rows, prefill_tokens), self.device)
         extra = {}
         if spec is not None:
             extra = dict(accepted_tokens=FieldSpec((spec.rows,), "int32"), accept_len=FieldSpec((), "int32"))
         relay_config = RelayConfig.plain(max_reqs, rows, debug=config.debug, **extra)
         self.relay = Relay(relay_config, self.device, validate=False)
-        self.model = LlamaModel(model_config, max_reqs, self.device, weights=weights, max_decode_rows=rows)
+        self.model = LlamaModel(model_config, max_reqs, self.device, weights=weights, max_decode_rows=rows, tp=tp)
         self.mirror = HostMirror(self.relay, depth=config.mirror_depth, validate=False)
         self.inputs = DecodeInputs(max_batch, self.device)
         self.history = None
@@ -111,7 +106,10 @@ class Engine:
                                        max_top_k=max_top_k)
         self.runner = GraphRunner(
             self.step, list(config.buckets) if config.buckets else default_buckets(max_batch), max_batch, self.device,
-            use_graphs=config.use_graphs, progress=progress,
+            use_graphs=config.use_graphs, progress=progress and (tp is None or tp.leads),
+            # NCCL's watchdog thread queries events while the graphs capture: only the capturing
+            # thread's calls may be checked, or its legal queries would invalidate the capture.
+            capture_error_mode="thread_local" if tp is not None and tp.world > 1 else "global",
         )
         # A pooled torch stream, wrapped: torch's pinned tensors (staging, prompts) are copied
         # on it and outlive any one engine (see graphrelay.runtime.Stream).
@@ -157,6 +155,7 @@ class Engine:
         """
         if not 1 <= len(chunks) <= self.max_batch:
             raise ValueError(f"a prefill iteration takes 1..{self.max_batch} chunks (max_batch), got {len(chunks)}")
+        self._command(PrefillCommand(list(chunks)))
         fresh = [c.slot for c in chunks if c.start == 0]
         if fresh:
             self.relay.admit(fresh)
@@ -191,11 +190,36 @@ class Engine:
 
     def launch(self, batch: HostBatch) -> int:
         """Queue one decode iteration for `batch` (graph replay, or eager); returns its number."""
+        self._command(LaunchCommand(batch))
         n = len(batch.slots)
         bs = self.runner.bucket(n) or n  # chosen once: the inputs are padded to it and it runs
         self.inputs.load(batch, bs, self.torch_stream)
         self.runner.run(bs)
         return self._recorded()
+
+    def _command(self, command: Command) -> None:
+        """Tensor parallel, rank 0: the other ranks run the same iteration on their shards."""
+        if self.tp is not None and self.tp.leads:
+            self.tp.send(command)
+
+    def follow(self) -> Optional[int]:
+        """Ranks > 0: run rank 0's prefill and decode iterations until it stops (`release`);
+        returns the host syncs torch made meanwhile, or None when rank 0 failed. The same calls
+        in the same order keep every rank's relay, cache and collectives in step."""
+        if self.tp is None or self.tp.leads:
+            raise RuntimeError("Engine.follow runs on tensor-parallel ranks > 0; rank 0 schedules")
+        with self.activate(), HostSyncCounter(self.on_gpu) as syncs:
+            while not isinstance(command := self.tp.receive(), StopCommand):
+                if isinstance(command, PrefillCommand):
+                    self.prefill(command.chunks)
+                else:
+                    self.launch(command.batch)
+        return None if command.failed else syncs.count
+
+    def release(self, failed: bool = False) -> None:
+        """Rank 0: let the other ranks leave `follow` (call once; `failed` after an error)."""
+        if self.tp is not None and self.tp.leads:
+            self.tp.send(StopCommand(failed))
 
     def _recorded(self) -> int:
         """Number the iteration just queued and record its mirror event."""

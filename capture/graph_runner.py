@@ -50,6 +50,7 @@ class GraphRunner:
         strict: bool = False,
         sync_debug: bool = True,
         progress: bool = False,
+        capture_error_mode: str = "global",
     ):
         self.step = step
         self.buckets = check_buckets(buckets, max_batch)
@@ -59,6 +60,7 @@ class GraphRunner:
         self.strict = strict
         self.sync_debug = sync_debug
         self.progress = progress
+        self.capture_error_mode = capture_error_mode
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.report: Optional[CaptureReport] = None
         self._warned = False
@@ -84,7 +86,7 @@ class GraphRunner:
                 print(f"\rcapturing CUDA graphs: bucket {bs:4d} ({n}/{len(order)})", end="", file=sys.stderr, flush=True)
             # keep_graph: the captured cudaGraph_t stays readable, so its nodes can be counted.
             graph = torch.cuda.CUDAGraph(keep_graph=True)
-            with torch.cuda.graph(graph, pool=pool, stream=side):
+            with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode=self.capture_error_mode):
                 self.step(bs)
             graph.instantiate()
             nodes[bs] = graph_node_count(graph.raw_cuda_graph())

@@ -20,16 +20,15 @@ slot has been read back (reusing it earlier is the index race SGLang hit).
 from __future__ import annotations
 
 import time
-import warnings
 from collections import deque
 from typing import Callable, Optional
 
 import msgspec
-import torch
 
-from capture.engine import Engine, PrefillChunk
+from capture.engine import Engine
 from capture.loop_stats import IterationClock, LoopStats
-from capture.surface import HostBatch
+from capture.surface import HostBatch, PrefillChunk
+from capture.sync_count import HostSyncCounter
 from capture.workloads import Request
 
 MODES = ("overlap", "no-overlap", "eager")
@@ -108,26 +107,11 @@ class ServingLoop:
         dict about twice a second."""
         self.check_requests(requests)
         run = _Run(self.engine, self.mode, requests, aborts or {}, progress)
-        with self.engine.activate(), warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            sync_mode = torch.cuda.get_sync_debug_mode() if self.engine.on_gpu else None
-            if self.engine.on_gpu:
-                # torch reports every synchronizing op it makes; the loop counts them.
-                torch.cuda.set_sync_debug_mode("warn")
-            try:
-                run.serve()
-            finally:
-                if self.engine.on_gpu:
-                    torch.cuda.set_sync_debug_mode(sync_mode)
-        syncs = 0
-        for w in caught:
-            if "synchronizing" in str(w.message):
-                syncs += 1
-            else:  # not ours to swallow (e.g. the runner's oversize-batch warning): pass it on
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        with self.engine.activate(), HostSyncCounter(self.engine.on_gpu) as syncs:
+            run.serve()
         tokens = sum(len(o.tokens) for o in run.outputs.values())
         accepted = run.decode_tokens / run.request_steps if run.request_steps else 0.0
-        return LoopResult(outputs=run.outputs, stats=run.clock.stats(self.mode, len(requests), tokens, syncs, accepted))
+        return LoopResult(outputs=run.outputs, stats=run.clock.stats(self.mode, len(requests), tokens, syncs.count, accepted))
 
 
 class _Run:

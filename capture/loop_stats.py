@@ -42,7 +42,8 @@ class LoopStats(msgspec.Struct):
     gpu_step_us_median: Optional[float]
     gpu_busy_us_per_iter: Optional[float]  # GPU time per iteration including that turn's prefills
     gpu_idle_fraction: Optional[float]  # GPU idle between iterations / total span, GPU only
-    host_syncs_per_iter: float  # synchronizing torch ops (counted by torch's sync debug mode)
+    host_syncs: int  # synchronizing torch ops over the run (counted by torch's sync debug mode)
+    host_syncs_per_iter: float
     event_waits_per_iter: float  # blocking waits for an iteration's results
     tokens_per_request_step: float  # tokens a request gains per decode iteration: 1, or the
     # mean accepted length (accepted drafts + 1) with speculative decoding
@@ -158,6 +159,7 @@ class IterationClock:
             gpu_step_us_median=_median(step_us) if step_us else None,
             gpu_busy_us_per_iter=busy / len(self._busy_ms) * 1e3 if self._busy_ms else None,
             gpu_idle_fraction=(sum(self._gap_ms) / (sum(self._gap_ms) + busy)) if self._busy_ms else None,
+            host_syncs=syncs,
             host_syncs_per_iter=syncs / iters,
             event_waits_per_iter=self._waits / iters,
             tokens_per_request_step=tokens_per_request_step,

@@ -19,7 +19,7 @@ Slot 0 is the padding slot: padded rows (slot 0, any in-range seq len) only touc
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import msgspec
 import torch
@@ -29,6 +29,9 @@ from capture import layer_kernels as kernels
 from capture.kv_cache import KVCache
 from graphrelay.config import DTYPES
 from graphrelay.runtime import to_device_async
+
+if TYPE_CHECKING:
+    from capture.tensor_parallel import TensorParallel
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -89,6 +92,23 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def kv_groups(self) -> int:
         """Query heads per KV head."""
         return self.num_heads // self.num_kv_heads
+
+    def shard(self, world: int) -> "ModelConfig":
+        """The shapes one of `world` tensor-parallel ranks computes: its share of the query
+        heads, KV heads and MLP columns, everything else whole. Rejects sizes that do not split."""
+        if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+            raise ValueError(f"tensor-parallel size must be a positive int, got {world!r}")
+        for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+            value = getattr(self, name)
+            if value % world:
+                raise ValueError(
+                    f"tensor parallelism over {world} ranks needs {name} ({value}) divisible by {world}; "
+                    f"use a model whose head and MLP sizes divide (e.g. the small or medium preset) or another --tp"
+                )
+        return msgspec.structs.replace(
+            self, num_heads=self.num_heads // world, num_kv_heads=self.num_kv_heads // world,
+            intermediate_size=self.intermediate_size // world, head_dim=self.head_dim,
+        )
 
     @classmethod
     def preset(cls, name: str) -> "ModelConfig":
@@ -174,6 +194,33 @@ class ModelWeights:
             lm_head=embed if tied else self.lm_head.to(device, dtype),
         )
 
+    def shard(self, c: ModelConfig, rank: int, world: int) -> "ModelWeights":
+        """Rank `rank`'s slices of these (whole, `c`-shaped) weights: query heads, KV heads and
+        MLP columns [rank / world, (rank + 1) / world) in the QKV and gate/up rows and the
+        matching O and down columns; embedding, norms and LM head whole (replicated)."""
+        self.check(c)
+        if world == 1:
+            return self
+        local, d = c.shard(world), c.head_dim
+
+        def rows(t: torch.Tensor, start: int, count: int) -> torch.Tensor:
+            return t[start + rank * count: start + (rank + 1) * count]
+
+        def cols(t: torch.Tensor, count: int) -> torch.Tensor:
+            return t[:, rank * count: (rank + 1) * count].contiguous()
+
+        def split(layer: LayerWeights) -> LayerWeights:
+            q_rows, kv_rows = c.num_heads * d, c.num_kv_heads * d
+            qkv = torch.cat([rows(layer.qkv, 0, local.num_heads * d), rows(layer.qkv, q_rows, local.num_kv_heads * d),
+                             rows(layer.qkv, q_rows + kv_rows, local.num_kv_heads * d)])
+            gate_up = torch.cat([rows(layer.gate_up, 0, local.intermediate_size),
+                                 rows(layer.gate_up, c.intermediate_size, local.intermediate_size)])
+            return LayerWeights(attn_norm=layer.attn_norm, qkv=qkv, o=cols(layer.o, local.num_heads * d),
+                                mlp_norm=layer.mlp_norm, gate_up=gate_up, down=cols(layer.down, local.intermediate_size))
+
+        return ModelWeights(embed=self.embed, layers=[split(layer) for layer in self.layers],
+                            final_norm=self.final_norm, lm_head=self.lm_head)
+
     def check(self, c: ModelConfig) -> None:
         """Every tensor has the shape `c` implies (a checkpoint that disagrees is rejected)."""
         qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
@@ -213,20 +260,27 @@ class LlamaModel:
     they are cast to the config's dtype on `device`. None draws seeded random weights.
     max_decode_rows: the most query rows one `decode` runs (the largest bucket, times the
     query rows per request when verifying drafts); sizes the attention's split scratch.
+    tp: this rank's place in a tensor-parallel group (`capture.tensor_parallel`): the model
+    then holds its share of the heads and MLP columns (`self.shard`) and all-reduces after
+    the O and down projections. `self.config` stays the whole model's.
     """
 
     def __init__(
         self, config: ModelConfig, max_reqs: int, device: torch.device | str, weights: "ModelWeights | None" = None,
-        max_decode_rows: int | None = None,
+        max_decode_rows: int | None = None, tp: "TensorParallel | None" = None,
     ) -> None:
         if not isinstance(max_reqs, int) or max_reqs < 1:
             raise ValueError(f"max_reqs must be a positive int, got {max_reqs!r}")
         self.config = config
+        self.tp = tp
+        world, rank = (tp.world, tp.rank) if tp is not None else (1, 0)
+        self.shard = config.shard(world)  # the shapes this rank computes
         self.max_reqs = max_reqs
         # Resolved through a tensor so "cuda" becomes "cuda:0" and device checks compare equal.
         self.device = torch.empty(0, device=device).device
-        c = config
-        weights = (weights or ModelWeights.random(c)).to(self.device, c.torch_dtype)
+        weights = (weights or ModelWeights.random(config)).shard(config, rank, world)
+        c = self.shard
+        weights = weights.to(self.device, c.torch_dtype)
         weights.check(c)
         self.embed, self.layers, self.final_norm, self.lm_head = (
             weights.embed, weights.layers, weights.final_norm, weights.lm_head
@@ -261,7 +315,7 @@ class LlamaModel:
         padded to the longest one; padding tokens run on slot 0 (scratch), so they never touch a
         request's cache rows. Eager: lengths are host values, so this is not captured.
         """
-        c = self.config
+        c = self.shard
         starts = [0] * len(slots) if starts is None else list(starts)
         if not slots or not len(slots) == len(chunks) == len(starts):
             raise ValueError("prefill needs one chunk and one start per slot, and at least one slot")
@@ -361,7 +415,7 @@ class LlamaModel:
         norm, QKV GEMM, rotary + cache write, attention, O GEMM, residual add + norm, gate/up
         GEMM, SiLU-mul, down GEMM (the residual add is fused into the next norm).
         """
-        c = self.config
+        c = self.shard
         residual = self.embed.index_select(0, tokens)  # [n, hidden]
         h = kernels.rms_norm(residual, self.layers[0].attn_norm, c.rms_eps)
         for index, layer in enumerate(self.layers):
@@ -371,11 +425,15 @@ class LlamaModel:
                 h @ layer.qkv.T, self.rope_cos, self.rope_sin, positions,
                 self.kv_cache.keys[index], self.kv_cache.values[index], slots, c.num_heads, c.num_kv_heads,
             )
-            x = attend(index, q) @ layer.o.T
+            x = self._all_reduce(attend(index, q) @ layer.o.T)
             h, residual = kernels.rms_norm(x, layer.mlp_norm, c.rms_eps, residual=residual)
-            x = kernels.silu_mul(h @ layer.gate_up.T) @ layer.down.T
+            x = self._all_reduce(kernels.silu_mul(h @ layer.gate_up.T) @ layer.down.T)
         h, _ = kernels.rms_norm(x, self.final_norm, c.rms_eps, residual=residual)
         return h
+
+    def _all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Under tensor parallelism each rank's O / down projection is a partial sum."""
+        return partial if self.tp is None else self.tp.all_reduce(partial)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return (hidden @ self.lm_head.T).float()  # [n, vocab]

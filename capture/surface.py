@@ -20,6 +20,17 @@ from graphrelay.runtime import Event
 _ALIGN = 16  # bytes: every field view starts 16-byte aligned
 
 
+class PrefillChunk(msgspec.Struct, frozen=True):
+    """Part of a prompt to prefill: `tokens` go to positions `start ..` of `slot`; `last` marks
+    the chunk that ends the prompt (its last token's output is sampled)."""
+
+    slot: int
+    tokens: list[int]
+    start: int
+    last: bool
+    params: SamplingParams
+
+
 class HostBatch(msgspec.Struct):
     """One iteration's batch as the scheduler sees it: slot and sampling params per request."""
 

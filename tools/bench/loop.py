@@ -22,6 +22,7 @@ from capture.loop import ServingLoop
 from capture.model import MODEL_PRESETS, ModelConfig
 from capture.workloads import SyntheticWorkload
 from tools.bench import options, plots, results
+from tools.bench import tp as tp_bench
 
 COMMAND = "graphrelay bench loop"
 JSON_NAME = "loop_bench.json"
@@ -42,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"choices {','.join(sorted(MODEL_PRESETS))})")
     parser.add_argument("--out", default=None, help="folder for the JSON and PNG (default results/; --smoke: results/tmp/)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
+    parser.add_argument("--tp", type=options.int_list, default=None, metavar="SIZES",
+                        help=f"tensor-parallel sizes, e.g. 1,2: the overlap loop at each size side by side "
+                             f"(default model {tp_bench.DEFAULT_MODEL}; one process per GPU) into {tp_bench.JSON_NAME}")
     parser.add_argument("--smoke", "--dry-run", dest="smoke", action="store_true",
                         help="a tiny run of every mode (works on CPU, without graphs): checks the code paths")
     return parser
@@ -55,12 +59,16 @@ def main(argv: list[str]) -> int:
         device = options.pick_device(args.smoke, COMMAND)
         plan = SMOKE if args.smoke else FULL
         models = args.models.split(",") if args.models else list(plan)
+        if args.tp and not args.models:
+            models = ["tiny"] if args.smoke else [tp_bench.DEFAULT_MODEL]
         unknown = [m for m in models if m not in MODEL_PRESETS]
         if unknown:
             raise options.UsageError(f"unknown model preset {unknown[0]!r}; choose from {sorted(MODEL_PRESETS)}")
     except options.UsageError as exc:
         return options.report_usage_error(COMMAND, exc)
 
+    if args.tp:
+        return tp_bench.run(models, args.tp, device, args.seed, args.smoke, options.out_dir(args), ["bench", "loop", *argv])
     start = time.perf_counter()
     rows = []
     for name in models:
