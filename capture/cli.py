@@ -121,6 +121,9 @@ def serve_main(argv: list[str]) -> int:
     except (WorkloadError, ValueError, RuntimeError) as exc:
         print(f"graphrelay serve: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: every spawned rank has been stopped on the way out
+        print("graphrelay serve: interrupted", file=sys.stderr)
+        return 130
 
 
 def generate_main(argv: list[str]) -> int:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from capture.cli import serve_main
@@ -134,3 +136,29 @@ def test_serve_tensor_parallel_on_cpu_matches_one_rank(tmp_path, capsys):
     assert "num_heads (9) divisible by 2" in capsys.readouterr().err
     assert serve_main([*tiny, "--tp", "0"]) == 2
     assert "--tp must be at least 1" in capsys.readouterr().err
+
+
+def test_ctrl_c_stops_every_tensor_parallel_rank():
+    """Ctrl-C in the middle of a `--tp 2` run: the command exits 130 with one line, and no
+    rank process outlives it (the parent terminates them; none is left blocked in gloo)."""
+    cmd = [sys.executable, "-m", "tools.cli", "serve", "--tp", "2", "--model", "tiny", "--device", "cpu",
+           "--num-requests", "5000", "--prompt-len", "4,8", "--output-len", "200,200"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    for line in proc.stderr:  # wait until the ranks are serving
+        if "tensor parallel: spawning" in line:
+            break
+    time.sleep(6)
+    assert proc.poll() is None, "the run ended before it could be interrupted"
+    # The parent alone (a terminal's Ctrl-C also reaches the ranks directly): it must stop them.
+    os.kill(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=60) == 130
+    assert "graphrelay serve: interrupted" in proc.stderr.read()
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        states = subprocess.run(["ps", "-o", "stat=", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        if all(state.startswith("Z") for state in states):  # zombies only: every rank has exited
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError(f"rank processes still running after Ctrl-C: {states}")
