@@ -111,10 +111,11 @@ class Engine:
             # thread's calls may be checked, or its legal queries would invalidate the capture.
             capture_error_mode="thread_local" if tp is not None and tp.world > 1 else "global",
         )
-        # A pooled torch stream, wrapped: torch's pinned tensors (staging, prompts) are copied
-        # on it and outlive any one engine (see graphrelay.runtime.Stream).
-        self.torch_stream = torch.cuda.Stream(self.device) if self.on_gpu else None
-        self.stream = Stream.from_torch(self.torch_stream) if self.on_gpu else Stream(self.device)
+        # One stream orders everything: created with cuda-python, handed to torch once (an
+        # ExternalStream over the same handle) for the torch work queued on it. Persistent:
+        # pinned tensors copied on it may outlive this engine (see Stream.persistent).
+        self.stream = Stream.persistent(self.device)
+        self.torch_stream = self.stream.as_torch() if self.on_gpu else None
         self.iterations_launched = 0
         if self.on_gpu:
             # The engine stream does not order against the legacy default stream that built
@@ -127,11 +128,17 @@ class Engine:
         return self.inputs.max_batch
 
     @property
+    def uses_graphs(self) -> bool:
+        """Whether iterations replay captured graphs (after `capture`, on a GPU, with graphs on)."""
+        return bool(self.runner.graphs)
+
+    @property
     def max_reqs(self) -> int:
         return self.relay.config.max_reqs
 
     def activate(self):
-        """Context manager making the engine stream current for torch work (GPU), or a no-op."""
+        """Context manager making the engine stream current for torch work (GPU), or a no-op.
+        `prefill` and `launch` refuse to run outside it."""
         return torch.cuda.stream(self.torch_stream) if self.on_gpu else nullcontext()
 
     def capture(self) -> CaptureReport:
@@ -155,6 +162,7 @@ class Engine:
         """
         if not 1 <= len(chunks) <= self.max_batch:
             raise ValueError(f"a prefill iteration takes 1..{self.max_batch} chunks (max_batch), got {len(chunks)}")
+        self._require_engine_stream("prefill")
         self._command(PrefillCommand(list(chunks)))
         fresh = [c.slot for c in chunks if c.start == 0]
         if fresh:
@@ -190,12 +198,18 @@ class Engine:
 
     def launch(self, batch: HostBatch) -> int:
         """Queue one decode iteration for `batch` (graph replay, or eager); returns its number."""
+        self._require_engine_stream("launch")
         self._command(LaunchCommand(batch))
         n = len(batch.slots)
         bs = self.runner.bucket(n) or n  # chosen once: the inputs are padded to it and it runs
         self.inputs.load(batch, bs, self.torch_stream)
         self.runner.run(bs)
         return self._recorded()
+
+    def _require_engine_stream(self, call: str) -> None:
+        """Work queued on another stream would not be ordered with the relay and mirror."""
+        if self.on_gpu and torch.cuda.current_stream(self.device).cuda_stream != self.stream.handle:
+            raise RuntimeError(f"Engine.{call} runs on the engine's stream: call it inside `with engine.activate():`")
 
     def _command(self, command: Command) -> None:
         """Tensor parallel, rank 0: the other ranks run the same iteration on their shards."""

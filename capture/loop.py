@@ -111,7 +111,7 @@ class ServingLoop:
             run.serve()
         tokens = sum(len(o.tokens) for o in run.outputs.values())
         accepted = run.decode_tokens / run.request_steps if run.request_steps else 0.0
-        return LoopResult(outputs=run.outputs, stats=run.clock.stats(self.mode, len(requests), tokens, syncs.count, accepted))
+        return LoopResult(outputs=run.outputs, stats=run.clock.stats(self.mode, self.engine.uses_graphs, len(requests), tokens, syncs.count, accepted))
 
 
 class _Run:
@@ -130,7 +130,7 @@ class _Run:
         self.inflight: deque[int] = deque()
         self.completed = -1  # every iteration <= this has been read back
         self.outputs: dict[str, RequestOutput] = {}
-        self.clock = IterationClock(engine)
+        self.clock = IterationClock(engine.stream)
         self.decode_rows: dict[int, int] = {}  # decode iteration in flight -> requests it runs
         self.request_steps = 0  # (request, decode iteration) pairs read back
         self.decode_tokens = 0  # tokens those produced (more than one each with speculation)

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import msgspec
 
-from graphrelay.runtime import Event
+from graphrelay.runtime import Event, Stream
 
 _SETS = 8  # timing-event sets: more than the iterations ever in flight at once
 _TURN, _LAUNCH, _END = 0, 1, 2
@@ -50,11 +50,14 @@ class LoopStats(msgspec.Struct):
 
 
 class IterationClock:
-    def __init__(self, engine):
-        self.engine = engine
-        self.on_gpu = engine.on_gpu
+    """Times a serving loop's turns from the host and, on a GPU, with events recorded on
+    `stream`: the one stream every iteration runs on (the engine's)."""
+
+    def __init__(self, stream: Stream):
+        self.stream = stream
+        self.on_gpu = stream.on_gpu
         if self.on_gpu:
-            self._sets = [[Event(timing=True, device=engine.device) for _ in range(3)] for _ in range(_SETS)]
+            self._sets = [[Event(timing=True, device=stream.device) for _ in range(3)] for _ in range(_SETS)]
         self._launch_times: list[float] = []
         self._busy_ms: list[float] = []  # turn mark -> end: prefills + the iteration
         self._step_ms: list[float] = []  # launch -> end: the decode iteration alone
@@ -99,7 +102,7 @@ class IterationClock:
         self._launches += 1
 
     def _mark(self, which_set: int, which: int) -> None:
-        self._sets[which_set][which].record(self.engine.stream)
+        self._sets[which_set][which].record(self.stream)
 
     def wait(self, fn):
         """Run a blocking `fn`, counting it as a wait for the device."""
@@ -135,7 +138,8 @@ class IterationClock:
             self._last_progress = now
             progress({"iterations": len(self._launch_times), "running": running, "done": done, "pending": pending, "elapsed_s": now - self._t0})
 
-    def stats(self, mode: str, requests: int, tokens: int, syncs: int, tokens_per_request_step: float) -> LoopStats:
+    def stats(self, mode: str, graphs: bool, requests: int, tokens: int, syncs: int,
+              tokens_per_request_step: float) -> LoopStats:
         iters = max(1, len(self._launch_times))
         gaps = [b - a for a, b in zip(self._launch_times, self._launch_times[1:])]
         gaps_ms = sorted(g * 1e3 for g in gaps) or [0.0]
@@ -143,8 +147,8 @@ class IterationClock:
         step_us = sorted(ms * 1e3 for ms in self._step_ms)
         return LoopStats(
             mode=mode,
-            device=str(self.engine.device),
-            graphs=bool(self.engine.runner.graphs),
+            device=str(self.stream.device),
+            graphs=graphs,
             requests=requests,
             tokens=tokens,
             iterations=len(self._launch_times),

@@ -160,9 +160,9 @@ class Stream(Closeable):
 
     NOTE: torch's pinned-memory allocator records an event on every stream a pinned tensor
     was copied on when that tensor is freed. If this stream is destroyed first, that record
-    fails and the process terminates. Where torch pinned tensors are copied on a stream that
-    lives as long as they do, wrap one of torch's pooled streams (never destroyed) with
-    `Stream.from_torch(torch.cuda.Stream())` instead.
+    fails and the process terminates. Where torch pinned tensors are copied on the stream, use
+    `Stream.persistent(device)` (one per device, never destroyed) or wrap one of torch's
+    pooled streams with `Stream.from_torch(torch.cuda.Stream())`.
     """
 
     def __init__(self, device=None) -> None:
@@ -178,6 +178,16 @@ class Stream(Closeable):
             self._finalize_with(_cuda, cudart.cudaStreamDestroy, raw)
 
     @classmethod
+    def persistent(cls, device) -> "Stream":
+        """The process's long-lived stream for `device`: created once with cuda-python, never
+        destroyed (torch's pinned tensors copied on it may outlive any one user), the same
+        object on every call. Host mode: a fresh stand-in."""
+        device = resolve_device(device)
+        if device.type != "cuda":
+            return cls(device)
+        return _persistent_stream(device.index)
+
+    @classmethod
     def from_torch(cls, torch_stream) -> "Stream":
         """Wrap an existing torch.cuda.Stream without owning it (close() does not destroy it)."""
         stream = cls.__new__(cls)
@@ -186,6 +196,13 @@ class Stream(Closeable):
         stream.handle = int(torch_stream.cuda_stream)
         stream._torch_stream = torch_stream
         return stream
+
+    _persistent = False
+
+    def close(self) -> None:
+        """Destroy the stream (a persistent one stays: others hold the same object)."""
+        if not self._persistent:
+            super().close()
 
     def as_torch(self) -> torch.cuda.Stream:
         """This stream as a torch stream (an ExternalStream, made once), for `torch.cuda.stream(...)`."""
@@ -201,6 +218,17 @@ class Stream(Closeable):
         self._require_open()
         if self.on_gpu:
             _cuda(cudart.cudaStreamSynchronize, self.handle)
+
+
+@functools.cache
+def _persistent_stream(index: int) -> Stream:
+    stream = Stream.__new__(Stream)
+    stream.device, stream.on_gpu, stream._torch_stream = torch.device("cuda", index), True, None
+    stream._persistent = True
+    _forbid_capture("Stream")
+    with torch.cuda.device(stream.device):
+        stream.handle = int(_cuda(cudart.cudaStreamCreateWithFlags, cudart.cudaStreamNonBlocking))
+    return stream  # no finalizer: it lives as long as the process
 
 
 class Event(Closeable):

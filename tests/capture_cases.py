@@ -1,5 +1,5 @@
-"""Shared builders for capture-layer tests: a decode-step stack (relay, tiny model, host mirror,
-static inputs, DecodeStep, GraphRunner), a scheduler-like driver, batch-composition schedules,
+"""Shared builders for capture-layer tests: a decode-step stack (an `Engine`'s relay, tiny model,
+host mirror, static inputs, DecodeStep, GraphRunner), a scheduler-like driver, batch-composition schedules,
 and state comparisons whose failure messages say what differed and where.
 
 CPU and GPU tests drive the same code, so the GPU suite exercises exactly the flow the CPU
@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from capture.buckets import default_buckets
+from capture.engine import Engine, EngineConfig
 from capture.graph_runner import WARMUP_RUNS, GraphRunner
 from capture.model import LlamaModel, ModelConfig
 from capture.sampling import SamplingParams
@@ -37,7 +37,7 @@ SAMPLED = (SamplingParams(temperature=0.8, seed=11), SamplingParams(temperature=
 
 @dataclass
 class Stack:
-    """Everything one decode step touches, built the way an engine builds it."""
+    """Everything one decode step touches, from an `Engine`."""
 
     relay: Relay
     model: LlamaModel
@@ -46,6 +46,7 @@ class Stack:
     step: DecodeStep
     runner: GraphRunner
     stream: object  # what mirror.record takes: the current torch stream on CUDA, 0 on the CPU
+    engine: Engine  # the builder; the tests drive its parts directly
     addresses: dict[str, int] = field(default_factory=dict)  # static buffers at build time
 
     @property
@@ -67,27 +68,23 @@ def build_stack(
     Eager stacks run the runner's warm-up too, so their padding scratch rows (KV row 0) hold
     what a captured twin's hold, and whole-state comparisons stay bit-exact."""
     device = torch.device(device)
-    cfg = RelayConfig.plain(max_reqs, max_batch)
-    # validate=False: host-side value checks read indices (a sync), which sync-debug "error"
-    # warm-up and capture forbid; the scheduler validates slots where it assigns them.
-    relay = Relay(cfg, device, validate=False)
-    model = LlamaModel(MODEL, max_reqs, device)
-    mirror = HostMirror(relay, depth=depth, validate=False)
-    inputs = DecodeInputs(max_batch, device)
-    step = DecodeStep(relay, model, mirror, inputs)
-    runner = GraphRunner(step, list(buckets) if buckets else default_buckets(max_batch), max_batch, device,
-                         use_graphs=use_graphs)
+    # Built by the engine, as serving builds it (relay without host-side value checks, which
+    # sync; the scheduler validates slots where it assigns them). The tests drive its parts.
+    engine = Engine(EngineConfig(MODEL, max_reqs=max_reqs, max_batch=max_batch, device=str(device),
+                                 use_graphs=use_graphs, buckets=tuple(buckets) if buckets else None,
+                                 max_top_k=None, mirror_depth=depth))
+    runner = engine.runner
     stream = torch.cuda.current_stream(device) if device.type == "cuda" else 0
-    stack = Stack(relay, model, mirror, inputs, step, runner, stream)
+    stack = Stack(engine.relay, engine.model, engine.mirror, engine.inputs, engine.step, runner, stream, engine)
     stack.addresses = static_addresses(stack)
     if runner.use_graphs:
-        runner.capture()
+        engine.capture()
     else:
         # The runner's warm-up, eagerly: all-padding inputs (DecodeInputs starts zeroed).
         for bs in sorted(runner.buckets, reverse=True):
             for _ in range(WARMUP_RUNS):
-                step(bs)
-    mirror.reset()  # warm-up advanced the mirror's device counter
+                stack.step(bs)
+        stack.mirror.reset()  # warm-up advanced the mirror's device counter
     return stack
 
 

@@ -1,0 +1,48 @@
+"""The engine's one stream: created with cuda-python, handed to torch once, shared by every
+engine on the device, and required for queueing work (outside it `prefill` / `launch` refuse,
+changing nothing)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from capture.engine import Engine, EngineConfig
+from capture.model import ModelConfig
+from capture.sampling import SamplingParams
+from capture.surface import HostBatch, PrefillChunk
+from graphrelay.runtime import Stream
+
+pytestmark = pytest.mark.gpu
+
+
+def _engine() -> Engine:
+    engine = Engine(EngineConfig(ModelConfig.preset("tiny"), max_reqs=2, max_batch=2, device="cuda", buckets=(2,)))
+    engine.capture()
+    return engine
+
+
+def test_one_cuda_python_stream_handed_to_torch():
+    first, second = _engine(), _engine()
+    assert first.stream is second.stream is Stream.persistent("cuda")
+    assert first.torch_stream.cuda_stream == first.stream.handle != torch.cuda.current_stream().cuda_stream
+    first.stream.close()  # a persistent stream outlives a close: other engines still use it
+    with second.activate():
+        assert torch.cuda.current_stream().cuda_stream == second.stream.handle
+        second.stream.synchronize()
+
+
+def test_work_outside_the_engine_stream_is_refused_without_state_change():
+    engine = _engine()
+    chunk = PrefillChunk(slot=1, tokens=[3, 4, 5], start=0, last=True, params=SamplingParams())
+    generation = engine.relay.host_generation.clone()
+    with pytest.raises(RuntimeError, match="engine.activate"):
+        engine.prefill([chunk])
+    with pytest.raises(RuntimeError, match="engine.activate"):
+        engine.launch(HostBatch(slots=[1], params=[SamplingParams()]))
+    assert engine.iterations_launched == 0 and torch.equal(engine.relay.host_generation, generation)
+    with engine.activate():
+        assert engine.prefill([chunk]) == 0
+        assert engine.launch(HostBatch(slots=[1], params=[SamplingParams()])) == 1
+        read = engine.read(1, block=True)
+    assert read is not None and engine.iterations_launched == 2
