@@ -31,6 +31,9 @@ from graphrelay.mirror import HostMirror, MirrorRead
 from graphrelay.runtime import Stream, to_device_async
 
 
+WARM_PREFILL_TOKENS = 16  # the longest warm-up chunk (capped at the model's max_seq_len)
+
+
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Everything an `Engine` is sized by, validated where it is built.
 
@@ -142,12 +145,29 @@ class Engine:
         return torch.cuda.stream(self.torch_stream) if self.on_gpu else nullcontext()
 
     def capture(self) -> CaptureReport:
-        """Warm up and capture every bucket, then restart the mirror at iteration 0."""
+        """Warm up and capture every bucket, warm prefill up, then restart the mirror at
+        iteration 0."""
         with self.activate():
             report = self.runner.capture()
+            self._warm_up_prefill()
         self.mirror.reset()
         self.iterations_launched = 0
         return report
+
+    @torch.no_grad()
+    def _warm_up_prefill(self) -> None:
+        """Run prefill's forward and sampling once per kind of shape (a token count divisible
+        by 16 or not), so their kernels compile here and not in the first request's time to
+        first token. Only the model's cache rows of slots 1.. are written, which their next
+        request overwrites before reading; the relay, the mirror and the slots' generations
+        are untouched."""
+        longest = min(WARM_PREFILL_TOKENS, self.model.config.max_seq_len)
+        for lengths in ([longest], [max(1, longest - 3), 1][: self.max_reqs]):
+            logits = self.model.prefill(list(range(1, len(lengths) + 1)), [[0] * n for n in lengths])
+            n = logits.shape[0]
+            zeros = torch.zeros(n, dtype=torch.int64, device=self.device)
+            ones = torch.ones(n, dtype=torch.float32, device=self.device)
+            sample(logits, ones, zeros, zeros, zeros, top_p=ones * 0.9, max_top_k=self.config.max_top_k)
 
     @torch.no_grad()
     def prefill(self, chunks: Sequence[PrefillChunk]) -> int:

@@ -131,7 +131,9 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row + cols, _round_to(w.to(tl.float32) * normed.to(tl.float32), dtype), mask=mask)
 
 
-@triton.jit
+# pos and slot are one scalar per row: their alignment buys nothing, and prefill passes rows of
+# one staging tensor that start at any offset (each new alignment would compile a new variant).
+@triton.jit(do_not_specialize_on_alignment=("pos_ptr", "slot_ptr"))
 def _rotary_cache_kernel(
     qkv_ptr,  # [n, (H + 2 KVH) * D]: q heads, then k heads, then v heads
     cos_ptr,  # [table_rows, D] float32

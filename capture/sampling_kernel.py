@@ -135,7 +135,13 @@ def _nucleus_threshold(scratch, n_above, count, kth, top, temperature, top_p, vo
     return tl.max(tl.where(in_set & (position == tl.minimum(below, count - 1)), ranked, float("-inf")), 0)
 
 
-@triton.jit
+# Per-row parameters are loaded one scalar at a time, so their pointers' alignment buys nothing;
+# not specializing on it keeps one compiled variant for every caller (the decode step's static
+# buffers and prefill's views into one staging tensor, whose rows start at any offset).
+_ROW_PARAMS = ("temperature_ptr", "top_k_ptr", "top_p_ptr")
+
+
+@triton.jit(do_not_specialize_on_alignment=_ROW_PARAMS)
 def _chunk_kernel(
     logits_ptr, logits_stride, temperature_ptr, temperature_stride, top_k_ptr, top_k_stride,
     top_p_ptr, top_p_stride, chunk_max_ptr, chunk_arg_ptr, chunk_mass_ptr, chunk_top_ptr, vocab, width,
@@ -168,7 +174,7 @@ def _chunk_kernel(
             tl.store(chunk_mass_ptr + slot, tl.sum(weights, 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=(*_ROW_PARAMS, "seeds_ptr", "steps_ptr"))
 def _gumbel_kernel(
     logits_ptr, logits_stride, temperature_ptr, temperature_stride, top_k_ptr, top_k_stride,
     top_p_ptr, top_p_stride, seeds_ptr, seeds_stride, steps_ptr, steps_stride,
@@ -229,7 +235,7 @@ def _gumbel_kernel(
     tl.store(score_arg_ptr + row_first + chunk, best_index)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=("temperature_ptr", "out_ptr"))
 def _pick_kernel(temperature_ptr, temperature_stride, chunk_max_ptr, chunk_arg_ptr, score_ptr, score_arg_ptr,
                  out_ptr, out_stride, n_chunks, CHUNKS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

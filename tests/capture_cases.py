@@ -77,14 +77,12 @@ def build_stack(
     stream = torch.cuda.current_stream(device) if device.type == "cuda" else 0
     stack = Stack(engine.relay, engine.model, engine.mirror, engine.inputs, engine.step, runner, stream, engine)
     stack.addresses = static_addresses(stack)
-    if runner.use_graphs:
-        engine.capture()
-    else:
+    if not runner.use_graphs:
         # The runner's warm-up, eagerly: all-padding inputs (DecodeInputs starts zeroed).
         for bs in sorted(runner.buckets, reverse=True):
             for _ in range(WARMUP_RUNS):
                 stack.step(bs)
-        stack.mirror.reset()  # warm-up advanced the mirror's device counter
+    engine.capture()  # graphs (if any), prefill's warm-up, and the mirror back at iteration 0
     return stack
 
 

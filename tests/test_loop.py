@@ -4,6 +4,7 @@ should, aborts leave the others unchanged, and a soak with heavy slot churn comp
 from __future__ import annotations
 
 import pytest
+import torch
 
 from capture.engine import Engine, EngineConfig
 from capture.loop import ServingLoop
@@ -148,3 +149,18 @@ def test_the_loop_passes_on_warnings_it_does_not_count():
 def test_engine_config_rejects_bad_sizes_by_name(field, value):
     with pytest.raises(ValueError, match=f"EngineConfig.{field} must be"):
         EngineConfig(MODEL, **{"max_reqs": 4, "max_batch": 2, field: value})
+
+
+def test_capture_warms_prefill_without_touching_serving_state():
+    """Capture also runs prefill once (its kernels compile there, not in the first request's
+    time to first token) and leaves the relay's rows and the slots' generations as they were."""
+    engine = Engine(EngineConfig(MODEL, max_reqs=3, max_batch=2, device="cpu"))
+    before = {name: buf.clone() for name, buf in engine.relay.buffers.items()}
+    generations = engine.relay.host_generation.clone()
+    calls = []
+    original = engine.model.prefill
+    engine.model.prefill = lambda *args, **kw: calls.append(args) or original(*args, **kw)
+    engine.capture()
+    assert [len(chunks) for _, chunks in calls] == [1, 2]  # one chunk, then two of other lengths
+    assert all(torch.equal(before[name], buf) for name, buf in engine.relay.buffers.items())
+    assert torch.equal(engine.relay.host_generation, generations) and engine.iterations_launched == 0
