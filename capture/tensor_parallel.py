@@ -65,10 +65,6 @@ class TensorParallel:
         return self.rank == 0
 
     @classmethod
-    def single(cls, device: torch.device) -> "TensorParallel":
-        return cls(0, 1, device, None, None)
-
-    @classmethod
     def join(cls, rank: int, world: int, init_method: str, device_type: str,
              timeout: datetime.timedelta = datetime.timedelta(minutes=5)) -> "TensorParallel":
         """Join (create, on the first call of every rank) the process groups. On CUDA, rank r
@@ -111,10 +107,6 @@ class TensorParallel:
         data = torch.empty(int(size.item()), dtype=torch.uint8)
         dist.broadcast(data, src=0, group=self.control)
         return _DECODER.decode(data.numpy().tobytes())
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            dist.barrier(group=self.control)
 
     def close(self) -> None:
         if self.world > 1 and dist.is_initialized():

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from graphrelay import Relay
-from graphrelay.fields import PUBLISH, STASH
+from graphrelay.fields import STASH
 from relay_cases import bits, full_config, random_payload, random_publish
 
 CONFIG = full_config(max_reqs=9, max_batch=5)

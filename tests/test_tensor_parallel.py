@@ -70,7 +70,7 @@ def test_commands_round_trip():
 
 
 def test_only_followers_follow():
-    engine = Engine(EngineConfig(MODEL, max_reqs=2, max_batch=2), tp=TensorParallel.single(torch.device("cpu")))
+    engine = Engine(EngineConfig(MODEL, max_reqs=2, max_batch=2), tp=TensorParallel(0, 1, torch.device("cpu"), None, None))
     with pytest.raises(RuntimeError, match="ranks > 0"):
         engine.follow()
 
