@@ -15,17 +15,17 @@ import msgspec
 
 import torch
 
-from capture.buckets import default_buckets
-from capture.graph_runner import CaptureReport, GraphRunner
-from capture.memory_plan import check_fits, plan_memory
-from capture.model import LlamaModel, ModelConfig, ModelWeights
-from capture.ngram import TokenHistory
-from capture.sampling import sample
-from capture.spec_step import SpecConfig, SpecDecodeStep
-from capture.step import DecodeStep
-from capture.sync_count import HostSyncCounter
-from capture.surface import DecodeInputs, HostBatch, PrefillChunk
-from capture.tensor_parallel import Command, LaunchCommand, PrefillCommand, StopCommand, TensorParallel
+from graphrelay.capture.buckets import default_buckets
+from graphrelay.capture.graph_runner import CaptureReport, GraphRunner
+from graphrelay.capture.memory_plan import check_fits, plan_memory
+from graphrelay.capture.model import LlamaModel, ModelConfig, ModelWeights
+from graphrelay.capture.ngram import TokenHistory
+from graphrelay.capture.sampling import sample
+from graphrelay.capture.spec_step import SpecConfig, SpecDecodeStep
+from graphrelay.capture.step import DecodeStep
+from graphrelay.capture.sync_count import HostSyncCounter
+from graphrelay.capture.surface import DecodeInputs, HostBatch, PrefillChunk
+from graphrelay.capture.tensor_parallel import Command, LaunchCommand, PrefillCommand, StopCommand, TensorParallel
 from graphrelay import FieldSpec, Relay, RelayConfig, RelayPayload
 from graphrelay.mirror import HostMirror, MirrorRead
 from graphrelay.runtime import Stream, to_device_async

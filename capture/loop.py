@@ -25,11 +25,11 @@ from typing import Callable, Optional
 
 import msgspec
 
-from capture.engine import Engine
-from capture.loop_stats import IterationClock, LoopStats
-from capture.surface import HostBatch, PrefillChunk
-from capture.sync_count import HostSyncCounter
-from capture.workloads import Request
+from graphrelay.capture.engine import Engine
+from graphrelay.capture.loop_stats import IterationClock, LoopStats
+from graphrelay.capture.surface import HostBatch, PrefillChunk
+from graphrelay.capture.sync_count import HostSyncCounter
+from graphrelay.capture.workloads import Request
 
 MODES = ("overlap", "no-overlap", "eager")
 

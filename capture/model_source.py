@@ -9,9 +9,9 @@ from typing import Optional
 
 import msgspec
 
-from capture.checkpoint import read_gguf, resolve_gguf_path
-from capture.model import ModelConfig, ModelWeights
-from capture.text import TextCodec
+from graphrelay.capture.checkpoint import read_gguf, resolve_gguf_path
+from graphrelay.capture.model import ModelConfig, ModelWeights
+from graphrelay.capture.text import TextCodec
 
 # Presets whose real weights have a default GGUF (capture.checkpoint.default_gguf_path).
 GGUF_PRESETS = ("smollm2-135m",)

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Optional
 
 import msgspec
 
-from capture.sampling import SamplingParams
+from graphrelay.capture.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from capture.text import TextCodec
+    from graphrelay.capture.text import TextCodec
 
 
 class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from capture.attention import (
+from graphrelay.capture.attention import (
     MAX_SPLITS,
     AttentionWorkspace,
     decode_attention,

@@ -15,12 +15,12 @@ import torch
 
 from graphrelay import FieldSpec, Relay, RelayConfig
 from graphrelay.fields import relay_fields
-from tools.bench import bench_main, floor
-from tools.bench.baseline import PerFieldRelay
-from tools.bench.relay import VARIANTS
-from tools.bench.relay_workload import disagreements, fill_every_row, index_sets, random_inputs, relay_step
-from tools.bench.results import Target
-from tools.bench.timing import Ceilings
+from graphrelay.tools.bench import bench_main, floor
+from graphrelay.tools.bench.baseline import PerFieldRelay
+from graphrelay.tools.bench.relay import VARIANTS
+from graphrelay.tools.bench.relay_workload import disagreements, fill_every_row, index_sets, random_inputs, relay_step
+from graphrelay.tools.bench.results import Target
+from graphrelay.tools.bench.timing import Ceilings
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -211,7 +211,7 @@ def test_unknown_benchmark_and_bare_bench_exit_2(capsys):
 
 def test_cli_process_without_gpu_prints_one_error_line_no_traceback():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run([sys.executable, "-m", "tools.cli", "bench", "relay"], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-m", "graphrelay.tools.cli", "bench", "relay"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
@@ -226,7 +226,7 @@ def test_cli_process_without_gpu_prints_one_error_line_no_traceback():
 def test_captured_steps_replay_current_inputs_on_both_relays():
     """Capture both timed bodies, change the static payload in place, replay: both relays must
     hold the new values in the rows the last iteration wrote, and agree everywhere else."""
-    from tools.bench.timing import capture_steps
+    from graphrelay.tools.bench.timing import capture_steps
 
     device = torch.device("cuda")
     config = RelayConfig.eagle(max_reqs=64, max_batch=8, topk=4, hidden_size=128)

@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from capture.model import ModelConfig
-from tools.bench import bench_main, e2e_systems, plots
-from tools.bench.e2e import ROW_KEYS, SYSTEMS, e2e_targets, make_row, merge_rows
+from graphrelay.capture.model import ModelConfig
+from graphrelay.tools.bench import bench_main, e2e_systems, plots
+from graphrelay.tools.bench.e2e import ROW_KEYS, SYSTEMS, e2e_targets, make_row, merge_rows
 
 
 @pytest.fixture(autouse=True)

@@ -6,8 +6,8 @@ import json
 
 import torch
 
-from tools.bench import bench_main
-from tools.bench.loop import MODES, plot_panels
+from graphrelay.tools.bench import bench_main
+from graphrelay.tools.bench.loop import MODES, plot_panels
 
 
 def test_smoke_runs_every_mode_and_writes_json_and_png(tmp_path, capsys, monkeypatch):

@@ -10,10 +10,10 @@ import msgspec
 import pytest
 import torch
 
-from capture.loop import LoopResult, RequestOutput
-from capture.model import ModelConfig
-from tools.bench import bench_main, options, spec
-from tools.bench.spec import GROUNDED, ROW_KEYS, SPEC_MODES, WORKLOADS, divergences, spec_targets
+from graphrelay.capture.loop import LoopResult, RequestOutput
+from graphrelay.capture.model import ModelConfig
+from graphrelay.tools.bench import bench_main, options, spec
+from graphrelay.tools.bench.spec import GROUNDED, ROW_KEYS, SPEC_MODES, WORKLOADS, divergences, spec_targets
 
 
 @pytest.fixture(autouse=True)

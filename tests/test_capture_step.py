@@ -9,10 +9,10 @@ import warnings
 import pytest
 import torch
 
-from capture.model import LlamaModel
+from graphrelay.capture.model import LlamaModel
 from model_reference import reference_logits
-from capture.step import DecodeStep
-from capture.surface import DecodeInputs
+from graphrelay.capture.step import DecodeStep
+from graphrelay.capture.surface import DecodeInputs
 from capture_cases import MODEL, Driver, build_stack, composition_schedule
 from graphrelay import Relay, RelayConfig
 from graphrelay.mirror import HostMirror

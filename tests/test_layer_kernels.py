@@ -15,8 +15,8 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from capture import layer_kernels as lk
-from capture.model import ModelConfig
+from graphrelay.capture import layer_kernels as lk
+from graphrelay.capture.model import ModelConfig
 from model_reference import rms_norm as model_rms_norm
 from model_reference import split_qkv, swiglu_mlp
 

@@ -374,7 +374,7 @@ def test_cli_hanging_steps_time_out(capsys):
 def test_graphrelay_lint_command_in_a_subprocess():
     target = os.path.join("tests", "lint_examples", "bad_steps.py") + ":bool_mask_index"
     result = subprocess.run(
-        [sys.executable, "-m", "tools.cli", "lint", target], cwd=REPO, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "graphrelay.tools.cli", "lint", target], cwd=REPO, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 1, result.stderr
     line = marked_line(bad_steps.bool_mask_index)

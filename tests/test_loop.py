@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from capture.engine import Engine, EngineConfig
-from capture.loop import ServingLoop
-from capture.model import ModelConfig
+from graphrelay.capture.engine import Engine, EngineConfig
+from graphrelay.capture.loop import ServingLoop
+from graphrelay.capture.model import ModelConfig
 from model_reference import reference_logits
-from capture.workloads import Request, SyntheticWorkload
+from graphrelay.capture.workloads import Request, SyntheticWorkload
 
 MODEL = ModelConfig.preset("tiny")
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from capture.checkpoint import ModelFileError, read_gguf, resolve_gguf_path
-from capture.engine import Engine, EngineConfig
-from capture.loop import ServingLoop
-from capture.text import TextCodec
-from capture.workloads import Request
-from tools.cli import main
+from graphrelay.capture.checkpoint import ModelFileError, read_gguf, resolve_gguf_path
+from graphrelay.capture.engine import Engine, EngineConfig
+from graphrelay.capture.loop import ServingLoop
+from graphrelay.capture.text import TextCodec
+from graphrelay.capture.workloads import Request
+from graphrelay.tools.cli import main
 
 PROMPTS = (  # different lengths, all through the chat template
     "What is the capital of France?",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from graphrelay.lint import lint_step
-from tools import lint_targets
+from graphrelay.tools import lint_targets
 
 
 @pytest.mark.parametrize("name", lint_targets.TARGETS)

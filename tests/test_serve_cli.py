@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from capture.cli import serve_main
+from graphrelay.capture.cli import serve_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,11 +75,11 @@ def test_request_file_runs(tmp_path, capsys):
 def test_bad_arguments_exit_2_without_traceback():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     for args in (["--mode", "fast"], ["--prompt-len", "9,2"], ["--buckets", "0,4"], ["--device", "mps"]):
-        done = subprocess.run([sys.executable, "-m", "tools.cli", "serve", *args], cwd=ROOT, env=env,
+        done = subprocess.run([sys.executable, "-m", "graphrelay.tools.cli", "serve", *args], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 2, args
         assert "Traceback" not in done.stderr and "error:" in done.stderr, args
-    done = subprocess.run([sys.executable, "-m", "tools.cli", "serve", "--device", "cuda"], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-m", "graphrelay.tools.cli", "serve", "--device", "cuda"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "no GPU" in done.stderr and "Traceback" not in done.stderr
 
@@ -141,7 +141,7 @@ def test_serve_tensor_parallel_on_cpu_matches_one_rank(tmp_path, capsys):
 def test_ctrl_c_stops_every_tensor_parallel_rank():
     """Ctrl-C in the middle of a `--tp 2` run: the command exits 130 with one line, and no
     rank process outlives it (the parent terminates them; none is left blocked in gloo)."""
-    cmd = [sys.executable, "-m", "tools.cli", "serve", "--tp", "2", "--model", "tiny", "--device", "cpu",
+    cmd = [sys.executable, "-m", "graphrelay.tools.cli", "serve", "--tp", "2", "--model", "tiny", "--device", "cpu",
            "--num-requests", "5000", "--prompt-len", "4,8", "--output-len", "200,200"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from capture.engine import Engine, EngineConfig
-from capture.loop import ServingLoop
-from capture.model import ModelConfig
-from capture.spec_step import SpecConfig
-from capture.workloads import Request, SyntheticWorkload
+from graphrelay.capture.engine import Engine, EngineConfig
+from graphrelay.capture.loop import ServingLoop
+from graphrelay.capture.model import ModelConfig
+from graphrelay.capture.spec_step import SpecConfig
+from graphrelay.capture.workloads import Request, SyntheticWorkload
 
 MODEL = ModelConfig.preset("tiny")
 SPEC = SpecConfig(k=3, min_n=1, max_n=3)

@@ -17,9 +17,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from capture.accept import Accepted, accept, verify_positions, verify_rows, verify_tokens
-from capture.ngram import Drafts, TokenHistory, propose
-from capture.sampling import sample
+from graphrelay.capture.accept import Accepted, accept, verify_positions, verify_rows, verify_tokens
+from graphrelay.capture.ngram import Drafts, TokenHistory, propose
+from graphrelay.capture.sampling import sample
 from graphrelay.lint import lint_step
 
 MAX_REQS = 5

@@ -26,11 +26,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "serve":
-        from capture.cli import serve_main
+        from graphrelay.capture.cli import serve_main
 
         return serve_main(rest)
     if command == "generate":
-        from capture.cli import generate_main
+        from graphrelay.capture.cli import generate_main
 
         return generate_main(rest)
     if command == "lint":
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return lint_main(rest)
     if command == "bench":
-        from tools.bench import bench_main
+        from graphrelay.tools.bench import bench_main
 
         return bench_main(rest)
     print(f"graphrelay: unknown subcommand {command!r}\n\n{USAGE}", file=sys.stderr)

@@ -25,6 +25,13 @@ else
     export PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH}
 fi
 
+# graphrelay.capture and graphrelay.tools are the capture/ and tools/ folders, mapped there by
+# the install: an editable one, offline (no build isolation, no dependencies), if not done yet.
+if ! "$py" -c 'import graphrelay.tools.cli' 2>/dev/null; then
+    "$py" -m pip install -q --no-deps --no-build-isolation --no-index -e "$root" || {
+        echo "gpu_check: the editable install failed (it needs setuptools >= 77 beside $py)" >&2; exit 1; }
+fi
+
 if [ -z "${GRAPHRELAY_GGUF:-}" ] && [ -f /tmp/smollm2.gguf ]; then
     export GRAPHRELAY_GGUF=/tmp/smollm2.gguf
 fi
@@ -52,19 +59,19 @@ step gpu-tests "$py" -m pytest -q -s -m gpu -p no:cacheprovider --junitxml="$out
 if [ -n "${GPU_CHECK_CPU:-}" ]; then
     step cpu-tests env CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 "$py" -m pytest -q -p no:cacheprovider -m "not gpu" ${GPU_CHECK_PYTEST_ARGS:-}
 fi
-step serve "$py" -m tools.cli serve --json "$out/serve.json"
-step serve-spec "$py" -m tools.cli serve --spec ngram --spec-k 4 --json "$out/serve_spec.json"
+step serve "$py" -m graphrelay.tools.cli serve --json "$out/serve.json"
+step serve-spec "$py" -m graphrelay.tools.cli serve --spec ngram --spec-k 4 --json "$out/serve_spec.json"
 gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 if [ "$gpus" -ge 2 ]; then  # tensor parallelism: the small preset (SmolLM2's 9 heads do not split)
-    step serve-tp2 "$py" -m tools.cli serve --tp 2 --model small --json "$out/serve_tp2.json"
+    step serve-tp2 "$py" -m graphrelay.tools.cli serve --tp 2 --model small --json "$out/serve_tp2.json"
 fi
 if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
-    step bench-e2e "$py" -m tools.cli bench e2e --time-budget 420 --out "$out"
-    step bench-spec "$py" -m tools.cli bench spec --out "$out"
-    step bench-relay "$py" -m tools.cli bench relay --out "$out"
-    step bench-loop "$py" -m tools.cli bench loop --out "$out"
+    step bench-e2e "$py" -m graphrelay.tools.cli bench e2e --time-budget 420 --out "$out"
+    step bench-spec "$py" -m graphrelay.tools.cli bench spec --out "$out"
+    step bench-relay "$py" -m graphrelay.tools.cli bench relay --out "$out"
+    step bench-loop "$py" -m graphrelay.tools.cli bench loop --out "$out"
     if [ "$gpus" -ge 2 ]; then
-        step bench-tp "$py" -m tools.cli bench loop --tp 1,2 --out "$out"
+        step bench-tp "$py" -m graphrelay.tools.cli bench loop --tp 1,2 --out "$out"
     fi
 fi
 cat "$out/summary.md"

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from capture.engine import Engine, EngineConfig
-from capture.model import ModelConfig
-from capture.sampling import SamplingParams
-from capture.surface import HostBatch, PrefillChunk
+from graphrelay.capture.engine import Engine, EngineConfig
+from graphrelay.capture.model import ModelConfig
+from graphrelay.capture.sampling import SamplingParams
+from graphrelay.capture.surface import HostBatch, PrefillChunk
 from graphrelay.runtime import Stream
 
 pytestmark = pytest.mark.gpu

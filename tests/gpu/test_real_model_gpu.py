@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from capture.checkpoint import read_gguf, resolve_gguf_path
-from capture.engine import Engine, EngineConfig
-from capture.loop import ServingLoop
-from capture.text import TextCodec
-from capture.workloads import Request
+from graphrelay.capture.checkpoint import read_gguf, resolve_gguf_path
+from graphrelay.capture.engine import Engine, EngineConfig
+from graphrelay.capture.loop import ServingLoop
+from graphrelay.capture.text import TextCodec
+from graphrelay.capture.workloads import Request
 
 pytestmark = pytest.mark.gpu
 

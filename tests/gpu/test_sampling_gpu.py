@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from capture.sampling import sample
+from graphrelay.capture.sampling import sample
 
 pytestmark = pytest.mark.gpu
 

@@ -8,12 +8,12 @@ import msgspec
 import pytest
 import torch
 
-from capture.engine import Engine, EngineConfig
-from capture.loop import ServingLoop
-from capture.model import ModelConfig
-from capture.tp_launch import run_ranks
-from capture.tp_serve import serve_rank
-from capture.workloads import SyntheticWorkload
+from graphrelay.capture.engine import Engine, EngineConfig
+from graphrelay.capture.loop import ServingLoop
+from graphrelay.capture.model import ModelConfig
+from graphrelay.capture.tp_launch import run_ranks
+from graphrelay.capture.tp_serve import serve_rank
+from graphrelay.capture.workloads import SyntheticWorkload
 
 pytestmark = [
     pytest.mark.gpu,

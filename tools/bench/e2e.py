@@ -24,8 +24,8 @@ from typing import Any, Optional
 import msgspec
 import torch
 
-from capture.model import ModelConfig
-from tools.bench import e2e_systems, options, plots, results
+from graphrelay.capture.model import ModelConfig
+from graphrelay.tools.bench import e2e_systems, options, plots, results
 
 COMMAND = "graphrelay bench e2e"
 JSON_NAME = "e2e_bench.json"

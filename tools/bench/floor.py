@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from graphrelay.fields import Field
-from tools.bench.timing import Ceilings
+from graphrelay.tools.bench.timing import Ceilings
 
 
 def row_bytes(fields: Sequence[Field]) -> int:

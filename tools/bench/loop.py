@@ -17,12 +17,12 @@ from typing import Any
 
 import msgspec
 
-from capture.engine import Engine, EngineConfig
-from capture.loop import ServingLoop
-from capture.model import MODEL_PRESETS, ModelConfig
-from capture.workloads import SyntheticWorkload
-from tools.bench import options, plots, results
-from tools.bench import tp as tp_bench
+from graphrelay.capture.engine import Engine, EngineConfig
+from graphrelay.capture.loop import ServingLoop
+from graphrelay.capture.model import MODEL_PRESETS, ModelConfig
+from graphrelay.capture.workloads import SyntheticWorkload
+from graphrelay.tools.bench import options, plots, results
+from graphrelay.tools.bench import tp as tp_bench
 
 COMMAND = "graphrelay bench loop"
 JSON_NAME = "loop_bench.json"

@@ -20,10 +20,10 @@ import torch
 from graphrelay.config import RelayConfig
 from graphrelay.fields import relay_fields
 from graphrelay.relay import Relay
-from tools.bench import floor, options, plots, results
-from tools.bench.baseline import PerFieldRelay
-from tools.bench.relay_workload import disagreements, fill_every_row, index_sets, padding_rows, random_inputs, relay_step
-from tools.bench.timing import Ceilings, Clock, Sample, measure_ceilings, time_captured, time_eager
+from graphrelay.tools.bench import floor, options, plots, results
+from graphrelay.tools.bench.baseline import PerFieldRelay
+from graphrelay.tools.bench.relay_workload import disagreements, fill_every_row, index_sets, padding_rows, random_inputs, relay_step
+from graphrelay.tools.bench.timing import Ceilings, Clock, Sample, measure_ceilings, time_captured, time_eager
 
 COMMAND = "graphrelay bench relay"
 JSON_NAME = "relay_bench.json"

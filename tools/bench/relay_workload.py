@@ -16,8 +16,8 @@ import torch
 
 from graphrelay.fields import PUBLISH, STASH, Field, RelayPayload, Resolved
 from graphrelay.relay import Relay
-from tools.bench.baseline import PerFieldRelay
-from tools.bench.timing import Step
+from graphrelay.tools.bench.baseline import PerFieldRelay
+from graphrelay.tools.bench.timing import Step
 
 VOCAB = 32000  # token ids and top-k indices are drawn below this
 

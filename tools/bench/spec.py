@@ -31,15 +31,15 @@ from typing import Any, Optional
 import msgspec
 import torch
 
-from capture.checkpoint import ModelFileError
-from capture.engine import Engine, EngineConfig
-from capture.loop import LoopResult, ServingLoop
-from capture.model import ModelConfig, ModelWeights
-from capture.model_source import LoadedModel, default_dtype, load_model
-from capture.spec_step import SpecConfig
-from capture.text import TextCodec
-from capture.workloads import Request, SyntheticWorkload, demo_requests
-from tools.bench import e2e_systems, options, plots, results
+from graphrelay.capture.checkpoint import ModelFileError
+from graphrelay.capture.engine import Engine, EngineConfig
+from graphrelay.capture.loop import LoopResult, ServingLoop
+from graphrelay.capture.model import ModelConfig, ModelWeights
+from graphrelay.capture.model_source import LoadedModel, default_dtype, load_model
+from graphrelay.capture.spec_step import SpecConfig
+from graphrelay.capture.text import TextCodec
+from graphrelay.capture.workloads import Request, SyntheticWorkload, demo_requests
+from graphrelay.tools.bench import e2e_systems, options, plots, results
 
 COMMAND = "graphrelay bench spec"
 JSON_NAME = "spec_bench.json"

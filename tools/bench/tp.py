@@ -17,13 +17,13 @@ from typing import Any
 import msgspec
 import torch
 
-from capture.engine import Engine, EngineConfig
-from capture.loop import ServingLoop
-from capture.model import ModelConfig
-from capture.tp_launch import run_ranks
-from capture.tp_serve import serve_rank
-from capture.workloads import SyntheticWorkload
-from tools.bench import plots, results
+from graphrelay.capture.engine import Engine, EngineConfig
+from graphrelay.capture.loop import ServingLoop
+from graphrelay.capture.model import ModelConfig
+from graphrelay.capture.tp_launch import run_ranks
+from graphrelay.capture.tp_serve import serve_rank
+from graphrelay.capture.workloads import SyntheticWorkload
+from graphrelay.tools.bench import plots, results
 
 JSON_NAME = "tp_bench.json"
 PLOT_NAME = "tp_bench.png"
