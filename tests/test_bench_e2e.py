@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from bench_cases import assert_needs_gpu, assert_usage_error
 from graphrelay.capture.model import ModelConfig
 from graphrelay.tools.bench import bench_main, e2e_systems, plots
 from graphrelay.tools.bench.e2e import ROW_KEYS, SYSTEMS, e2e_targets, make_row, merge_rows
@@ -187,14 +188,8 @@ def test_bar_panel_draws_a_group_per_category_and_skips_missing_values():
     (["--bogus"], "unrecognized arguments: --bogus"),
 ])
 def test_bad_options_exit_2_with_one_line(argv, message, capsys, tmp_path):
-    assert bench_main(["e2e", "--smoke", "--out", str(tmp_path), *argv]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("graphrelay bench e2e: error: ") and message in err
-    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
-    assert not any(tmp_path.iterdir())  # nothing written
+    assert_usage_error("e2e", argv, message, capsys, tmp_path)
 
 
 def test_no_gpu_without_smoke_exits_2(capsys, tmp_path):
-    assert bench_main(["e2e", "--out", str(tmp_path)]) == 2
-    err = capsys.readouterr().err
-    assert "needs a CUDA device" in err and "--smoke" in err and len(err.strip().splitlines()) == 1
+    assert_needs_gpu("e2e", capsys, tmp_path)

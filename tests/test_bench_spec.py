@@ -10,6 +10,7 @@ import msgspec
 import pytest
 import torch
 
+from bench_cases import assert_needs_gpu, assert_usage_error
 from graphrelay.capture.loop import LoopResult, RequestOutput
 from graphrelay.capture.model import ModelConfig
 from graphrelay.tools.bench import bench_main, options, spec
@@ -171,17 +172,11 @@ def test_targets_without_rows_are_not_measured():
     (["--bogus"], "unrecognized arguments: --bogus"),
 ])
 def test_bad_options_exit_2_with_one_line(argv, message, capsys, tmp_path):
-    assert bench_main(["spec", "--smoke", "--out", str(tmp_path), *argv]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("graphrelay bench spec: error: ") and message in err
-    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
-    assert not any(tmp_path.iterdir())  # nothing written
+    assert_usage_error("spec", argv, message, capsys, tmp_path)
 
 
 def test_no_gpu_without_smoke_exits_2(capsys, tmp_path):
-    assert bench_main(["spec", "--out", str(tmp_path)]) == 2
-    err = capsys.readouterr().err
-    assert "needs a CUDA device" in err and "--smoke" in err and len(err.strip().splitlines()) == 1
+    assert_needs_gpu("spec", capsys, tmp_path)
 
 
 def test_missing_model_file_is_one_line(monkeypatch, capsys, tmp_path):

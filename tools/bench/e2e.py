@@ -69,9 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="skip the (system, shape) cells not started within this many seconds, recording them as skipped")
     parser.add_argument("--merge", action="store_true",
                         help="keep the rows of an existing e2e_bench.json in --out, replacing those this run measures")
-    parser.add_argument("--out", default=None, help="folder for the JSON and PNG (default results/; --smoke: results/tmp/)")
-    parser.add_argument("--smoke", "--dry-run", dest="smoke", action="store_true",
-                        help="tiny model, batches 1,2, prompt 8, output 4 (works on CPU, eager): checks the code paths")
+    options.add_output_options(parser, "tiny model, batches 1,2, prompt 8, output 4 (works on CPU, eager): checks the code paths")
     return parser
 
 

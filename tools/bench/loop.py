@@ -41,13 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=None, help=f"comma-separated presets (default {','.join(FULL)}; "
                         f"choices {','.join(sorted(MODEL_PRESETS))})")
-    parser.add_argument("--out", default=None, help="folder for the JSON and PNG (default results/; --smoke: results/tmp/)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument("--tp", type=options.int_list, default=None, metavar="SIZES",
                         help=f"tensor-parallel sizes, e.g. 1,2: the overlap loop at each size side by side "
                              f"(default model {tp_bench.DEFAULT_MODEL}; one process per GPU) into {tp_bench.JSON_NAME}")
-    parser.add_argument("--smoke", "--dry-run", dest="smoke", action="store_true",
-                        help="a tiny run of every mode (works on CPU, without graphs): checks the code paths")
+    options.add_output_options(parser, "a tiny run of every mode (works on CPU, without graphs): checks the code paths")
     return parser
 
 

@@ -27,17 +27,21 @@ class OneLineParser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def add_common_options(parser: argparse.ArgumentParser, *, default_iters: int, default_repeats: int) -> None:
+def add_output_options(parser: argparse.ArgumentParser, smoke_help: str) -> None:
+    """--out and --smoke, as every benchmark takes them (see `out_dir`)."""
     parser.add_argument("--out", default=None,
                         help="folder for the JSON and PNG results (default: results/; with --smoke results/tmp/, "
                              "so a smoke run never overwrites real results)")
+    parser.add_argument("--smoke", "--dry-run", dest="smoke", action="store_true", help=smoke_help)
+
+
+def add_common_options(parser: argparse.ArgumentParser, *, default_iters: int, default_repeats: int) -> None:
+    add_output_options(parser, "run every variant once with tiny sizes (works on CPU): checks the code paths, "
+                               "its timings mean nothing")
     parser.add_argument("--iters", type=positive_int, default=default_iters,
                         help=f"iterations (eager) or graph replays (captured) per timed loop (default {default_iters})")
     parser.add_argument("--repeats", type=positive_int, default=default_repeats,
                         help=f"timed loops per measurement; the median is reported (default {default_repeats})")
-    parser.add_argument("--smoke", "--dry-run", dest="smoke", action="store_true",
-                        help="run every variant once with tiny sizes (works on CPU): checks the code paths, "
-                             "its timings mean nothing")
 
 
 def out_dir(args: argparse.Namespace) -> Path:

