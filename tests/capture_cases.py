@@ -16,12 +16,12 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from graphrelay.capture.engine import Engine, EngineConfig
-from graphrelay.capture.graph_runner import WARMUP_RUNS, GraphRunner
-from graphrelay.capture.model import LlamaModel, ModelConfig
-from graphrelay.capture.sampling import SamplingParams
-from graphrelay.capture.step import DecodeStep
-from graphrelay.capture.surface import DecodeInputs, HostBatch
+from graphrelay.capture.iteration.engine import Engine, EngineConfig
+from graphrelay.capture.iteration.graph_runner import WARMUP_RUNS, GraphRunner
+from graphrelay.capture.model.model import LlamaModel, ModelConfig
+from graphrelay.capture.iteration.sampling import SamplingParams
+from graphrelay.capture.iteration.step import DecodeStep
+from graphrelay.capture.iteration.surface import DecodeInputs, HostBatch
 from graphrelay import Relay, RelayConfig, RelayPayload
 from graphrelay.mirror import HostMirror, MirrorRead
 from relay_cases import bits

@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from graphrelay.capture.layer_kernels import rotate
-from graphrelay.capture.model import LayerWeights, LlamaModel, ModelConfig, rotary_table
+from graphrelay.capture.kernels.layer_kernels import rotate
+from graphrelay.capture.model.model import LayerWeights, LlamaModel, ModelConfig, rotary_table
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from graphrelay.capture.attention import (
+from graphrelay.capture.kernels.attention import (
     MAX_SPLITS,
     AttentionWorkspace,
     decode_attention,

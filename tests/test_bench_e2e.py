@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bench_cases import assert_needs_gpu, assert_usage_error
-from graphrelay.capture.model import ModelConfig
+from graphrelay.capture.model.model import ModelConfig
 from graphrelay.tools.bench import bench_main, e2e_systems, plots
 from graphrelay.tools.bench.e2e import ROW_KEYS, SYSTEMS, e2e_targets, make_row, merge_rows
 

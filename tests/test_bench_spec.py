@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from bench_cases import assert_needs_gpu, assert_usage_error
-from graphrelay.capture.loop import LoopResult, RequestOutput
-from graphrelay.capture.model import ModelConfig
+from graphrelay.capture.serving.loop import LoopResult, RequestOutput
+from graphrelay.capture.model.model import ModelConfig
 from graphrelay.tools.bench import bench_main, options, spec
 from graphrelay.tools.bench.spec import GROUNDED, ROW_KEYS, SPEC_MODES, WORKLOADS, divergences, spec_targets
 

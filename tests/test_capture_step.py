@@ -9,10 +9,10 @@ import warnings
 import pytest
 import torch
 
-from graphrelay.capture.model import LlamaModel
+from graphrelay.capture.model.model import LlamaModel
 from model_reference import reference_logits
-from graphrelay.capture.step import DecodeStep
-from graphrelay.capture.surface import DecodeInputs
+from graphrelay.capture.iteration.step import DecodeStep
+from graphrelay.capture.iteration.surface import DecodeInputs
 from capture_cases import MODEL, Driver, build_stack, composition_schedule
 from graphrelay import Relay, RelayConfig
 from graphrelay.mirror import HostMirror

@@ -7,8 +7,8 @@ import warnings
 
 import pytest
 
-from graphrelay.capture.buckets import bucket_for, check_buckets, default_buckets
-from graphrelay.capture.graph_runner import GraphRunner
+from graphrelay.capture.iteration.buckets import bucket_for, check_buckets, default_buckets
+from graphrelay.capture.iteration.graph_runner import GraphRunner
 
 
 class RecordingStep:

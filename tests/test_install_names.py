@@ -24,10 +24,10 @@ def test_outside_the_checkout_the_generic_names_stay_free(tmp_path):
     while the installed layers resolve to this checkout's folders."""
     (tmp_path / "capture.py").write_text("MINE = True\n")
     (tmp_path / "tools.py").write_text("MINE = True\n")
-    probe = ("import capture, tools, graphrelay.capture.engine as e, graphrelay.tools.cli as c; "
+    probe = ("import capture, tools, graphrelay.capture.iteration.engine as e, graphrelay.tools.cli as c; "
              "print(capture.MINE, tools.MINE, e.__file__, c.__file__)")
     done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     mine_capture, mine_tools, engine, cli = done.stdout.split()
     assert mine_capture == mine_tools == "True"
-    assert Path(engine) == ROOT / "capture" / "engine.py" and Path(cli) == ROOT / "tools" / "cli.py"
+    assert Path(engine) == ROOT / "capture" / "iteration" / "engine.py" and Path(cli) == ROOT / "tools" / "cli.py"

@@ -1,5 +1,5 @@
 """capture.layer_kernels: each Triton kernel (TRITON_INTERPRET=1 on CPU) equals its torch twin,
-and each torch twin equals capture/model.py's math, so integrating them cannot change CPU numerics.
+and each torch twin equals capture/model/model.py's math, so integrating them cannot change CPU numerics.
 
 The `check_*` functions take a device: tests/gpu/test_layer_kernels_gpu.py runs them on CUDA at
 serving sizes. Tolerances (the module docstring says why): float32 within 1e-6; bf16/fp16
@@ -15,8 +15,8 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from graphrelay.capture import layer_kernels as lk
-from graphrelay.capture.model import ModelConfig
+from graphrelay.capture.kernels import layer_kernels as lk
+from graphrelay.capture.model.model import ModelConfig
 from model_reference import rms_norm as model_rms_norm
 from model_reference import split_qkv, swiglu_mlp
 
@@ -278,7 +278,7 @@ def test_silu_mul_fills_out(backend):
 
 
 # ----------------------------------------------------------------------------------------------
-# Torch twins against capture/model.py
+# Torch twins against capture/model/model.py
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphrelay.capture.engine import Engine, EngineConfig
-from graphrelay.capture.loop import ServingLoop
-from graphrelay.capture.model import ModelConfig
+from graphrelay.capture.iteration.engine import Engine, EngineConfig
+from graphrelay.capture.serving.loop import ServingLoop
+from graphrelay.capture.model.model import ModelConfig
 from model_reference import reference_logits
-from graphrelay.capture.workloads import Request, SyntheticWorkload
+from graphrelay.capture.serving.workloads import Request, SyntheticWorkload
 
 MODEL = ModelConfig.preset("tiny")
 

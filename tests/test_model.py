@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from graphrelay.capture.model import MODEL_PRESETS, LlamaModel, ModelConfig
+from graphrelay.capture.model.model import MODEL_PRESETS, LlamaModel, ModelConfig
 from model_reference import reference_logits
-from graphrelay.capture.sampling import sample
+from graphrelay.capture.iteration.sampling import sample
 
 MAX_REQS = 6
 # slot -> prompt; slots deliberately sparse so row order != slot order.

@@ -12,8 +12,8 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from graphrelay.capture.sampling import SamplingParams, gumbel_noise, hash32, keep_threshold, pack_sampling_params, sample
-from graphrelay.capture.sampling_kernel import sample_triton
+from graphrelay.capture.iteration.sampling import SamplingParams, gumbel_noise, hash32, keep_threshold, pack_sampling_params, sample
+from graphrelay.capture.kernels.sampling_kernel import sample_triton
 
 
 def rows(n, temperature=1.0, top_k=0, seed=0, step=0):

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from graphrelay.capture.cli import serve_main
+from graphrelay.capture.serving.cli import serve_main
 
 ROOT = Path(__file__).resolve().parents[1]
 

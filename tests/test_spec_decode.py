@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from graphrelay.capture.engine import Engine, EngineConfig
-from graphrelay.capture.loop import ServingLoop
-from graphrelay.capture.model import ModelConfig
-from graphrelay.capture.spec_step import SpecConfig
-from graphrelay.capture.workloads import Request, SyntheticWorkload
+from graphrelay.capture.iteration.engine import Engine, EngineConfig
+from graphrelay.capture.serving.loop import ServingLoop
+from graphrelay.capture.model.model import ModelConfig
+from graphrelay.capture.iteration.spec_step import SpecConfig
+from graphrelay.capture.serving.workloads import Request, SyntheticWorkload
 
 MODEL = ModelConfig.preset("tiny")
 SPEC = SpecConfig(k=3, min_n=1, max_n=3)

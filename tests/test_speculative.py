@@ -1,4 +1,4 @@
-"""N-gram speculative decoding on the device (capture/ngram.py, capture/accept.py), on the CPU:
+"""N-gram speculative decoding on the device (capture/iteration/ngram.py, capture/iteration/accept.py), on the CPU:
 `propose`, `accept` and `TokenHistory.append` against plain-Python references on random
 inputs, the verify-row layout, the capture linter over each op and the whole speculative
 step, and an end-to-end check that propose + verify + accept + append emits exactly the tokens
@@ -17,9 +17,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from graphrelay.capture.accept import Accepted, accept, verify_positions, verify_rows, verify_tokens
-from graphrelay.capture.ngram import Drafts, TokenHistory, propose
-from graphrelay.capture.sampling import sample
+from graphrelay.capture.iteration.accept import Accepted, accept, verify_positions, verify_rows, verify_tokens
+from graphrelay.capture.iteration.ngram import Drafts, TokenHistory, propose
+from graphrelay.capture.iteration.sampling import sample
 from graphrelay.lint import lint_step
 
 MAX_REQS = 5

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphrelay.capture.sampling import SamplingParams
-from graphrelay.capture.surface import DecodeInputs, HostBatch
+from graphrelay.capture.iteration.sampling import SamplingParams
+from graphrelay.capture.iteration.surface import DecodeInputs, HostBatch
 
 MAX_BATCH = 8
 PADDING = {"slots": 0, "temperature": 0.0, "top_k": 0, "seeds": 0, "top_p": 1.0}  # greedy rows on slot 0

@@ -10,17 +10,17 @@ import time
 import pytest
 import torch
 
-from graphrelay.capture.engine import Engine, EngineConfig
-from graphrelay.capture.layer_kernels import silu_mul
-from graphrelay.capture.loop import ServingLoop
-from graphrelay.capture.model import ModelConfig, ModelWeights
-from graphrelay.capture.sampling import SamplingParams
-from graphrelay.capture.spec_step import SpecConfig
-from graphrelay.capture.surface import HostBatch, PrefillChunk
-from graphrelay.capture.tensor_parallel import _DECODER, _ENCODER, LaunchCommand, PrefillCommand, StopCommand, TensorParallel
-from graphrelay.capture.tp_launch import RankFailed, run_ranks
-from graphrelay.capture.tp_serve import serve_rank
-from graphrelay.capture.workloads import SyntheticWorkload
+from graphrelay.capture.iteration.engine import Engine, EngineConfig
+from graphrelay.capture.kernels.layer_kernels import silu_mul
+from graphrelay.capture.serving.loop import ServingLoop
+from graphrelay.capture.model.model import ModelConfig, ModelWeights
+from graphrelay.capture.iteration.sampling import SamplingParams
+from graphrelay.capture.iteration.spec_step import SpecConfig
+from graphrelay.capture.iteration.surface import HostBatch, PrefillChunk
+from graphrelay.capture.parallel.tensor_parallel import _DECODER, _ENCODER, LaunchCommand, PrefillCommand, StopCommand, TensorParallel
+from graphrelay.capture.parallel.tp_launch import RankFailed, run_ranks
+from graphrelay.capture.parallel.tp_serve import serve_rank
+from graphrelay.capture.serving.workloads import SyntheticWorkload
 
 MODEL = ModelConfig.preset("tiny")  # float32; 4 heads, 2 KV heads, 128 MLP columns: splits over 2
 

@@ -26,11 +26,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "serve":
-        from graphrelay.capture.cli import serve_main
+        from graphrelay.capture.serving.cli import serve_main
 
         return serve_main(rest)
     if command == "generate":
-        from graphrelay.capture.cli import generate_main
+        from graphrelay.capture.serving.cli import generate_main
 
         return generate_main(rest)
     if command == "lint":

@@ -17,10 +17,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from graphrelay.capture.engine import Engine, EngineConfig  # noqa: E402
-from graphrelay.capture.model import ModelConfig  # noqa: E402
-from graphrelay.capture.spec_step import SpecConfig  # noqa: E402
-from graphrelay.capture.surface import DecodeInputs  # noqa: E402
+from graphrelay.capture.iteration.engine import Engine, EngineConfig  # noqa: E402
+from graphrelay.capture.model.model import ModelConfig  # noqa: E402
+from graphrelay.capture.iteration.spec_step import SpecConfig  # noqa: E402
+from graphrelay.capture.iteration.surface import DecodeInputs  # noqa: E402
 from graphrelay import FieldSpec, HostMirror, Relay, RelayConfig, RelayPayload  # noqa: E402
 
 TARGETS = (

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphrelay.capture.attention import (
+from graphrelay.capture.kernels.attention import (
     MAX_SPLITS,
     AttentionWorkspace,
     decode_attention,

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphrelay.capture.engine import Engine, EngineConfig
-from graphrelay.capture.model import ModelConfig
-from graphrelay.capture.sampling import SamplingParams
-from graphrelay.capture.surface import HostBatch, PrefillChunk
+from graphrelay.capture.iteration.engine import Engine, EngineConfig
+from graphrelay.capture.model.model import ModelConfig
+from graphrelay.capture.iteration.sampling import SamplingParams
+from graphrelay.capture.iteration.surface import HostBatch, PrefillChunk
 from graphrelay.runtime import Stream
 
 pytestmark = pytest.mark.gpu

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphrelay.capture import layer_kernels as lk
+from graphrelay.capture.kernels import layer_kernels as lk
 from test_layer_kernels import EPS, SMOL, check_rms_norm, check_rotary, check_silu_mul, randn, rotary_case
 
 pytestmark = pytest.mark.gpu

@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphrelay.capture.checkpoint import read_gguf, resolve_gguf_path
-from graphrelay.capture.engine import Engine, EngineConfig
-from graphrelay.capture.loop import ServingLoop
-from graphrelay.capture.text import TextCodec
-from graphrelay.capture.workloads import Request
+from graphrelay.capture.model.checkpoint import read_gguf, resolve_gguf_path
+from graphrelay.capture.iteration.engine import Engine, EngineConfig
+from graphrelay.capture.serving.loop import ServingLoop
+from graphrelay.capture.model.text import TextCodec
+from graphrelay.capture.serving.workloads import Request
 
 pytestmark = pytest.mark.gpu
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphrelay.capture.sampling import sample
+from graphrelay.capture.iteration.sampling import sample
 
 pytestmark = pytest.mark.gpu
 

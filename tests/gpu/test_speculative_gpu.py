@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from graphrelay.capture.ngram import Drafts, TokenHistory, propose
+from graphrelay.capture.iteration.ngram import Drafts, TokenHistory, propose
 from test_speculative import GREEDY_PARAMS, SAMPLED_PARAMS, SpecStep, StaticBucket, ToyModel, plain_decode, run_speculative
 
 pytestmark = pytest.mark.gpu

@@ -15,9 +15,9 @@ import warnings
 import pytest
 import torch
 
-from graphrelay.capture.buckets import default_buckets
-from graphrelay.capture.graph_runner import GraphRunner
-from graphrelay.capture.surface import HostBatch
+from graphrelay.capture.iteration.buckets import default_buckets
+from graphrelay.capture.iteration.graph_runner import GraphRunner
+from graphrelay.capture.iteration.surface import HostBatch
 from capture_cases import (
     GREEDY,
     SAMPLED,

@@ -8,12 +8,12 @@ import msgspec
 import pytest
 import torch
 
-from graphrelay.capture.engine import Engine, EngineConfig
-from graphrelay.capture.loop import ServingLoop
-from graphrelay.capture.model import ModelConfig
-from graphrelay.capture.tp_launch import run_ranks
-from graphrelay.capture.tp_serve import serve_rank
-from graphrelay.capture.workloads import SyntheticWorkload
+from graphrelay.capture.iteration.engine import Engine, EngineConfig
+from graphrelay.capture.serving.loop import ServingLoop
+from graphrelay.capture.model.model import ModelConfig
+from graphrelay.capture.parallel.tp_launch import run_ranks
+from graphrelay.capture.parallel.tp_serve import serve_rank
+from graphrelay.capture.serving.workloads import SyntheticWorkload
 
 pytestmark = [
     pytest.mark.gpu,

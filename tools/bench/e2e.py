@@ -24,7 +24,7 @@ from typing import Any, Optional
 import msgspec
 import torch
 
-from graphrelay.capture.model import ModelConfig
+from graphrelay.capture.model.model import ModelConfig
 from graphrelay.tools.bench import e2e_systems, options, plots, results
 
 COMMAND = "graphrelay bench e2e"

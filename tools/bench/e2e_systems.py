@@ -25,10 +25,10 @@ from typing import Any
 import msgspec
 import torch
 
-from graphrelay.capture.engine import Engine, EngineConfig
-from graphrelay.capture.loop import ServingLoop
-from graphrelay.capture.model import ModelConfig
-from graphrelay.capture.workloads import Request
+from graphrelay.capture.iteration.engine import Engine, EngineConfig
+from graphrelay.capture.serving.loop import ServingLoop
+from graphrelay.capture.model.model import ModelConfig
+from graphrelay.capture.serving.workloads import Request
 
 # The HBM read bandwidth a streaming kernel reaches on an H200 (of 4.8 TB/s peak): the floor
 # assumes the decode step does nothing but read weights and KV cache at this rate.

@@ -17,10 +17,10 @@ from typing import Any
 
 import msgspec
 
-from graphrelay.capture.engine import Engine, EngineConfig
-from graphrelay.capture.loop import ServingLoop
-from graphrelay.capture.model import MODEL_PRESETS, ModelConfig
-from graphrelay.capture.workloads import SyntheticWorkload
+from graphrelay.capture.iteration.engine import Engine, EngineConfig
+from graphrelay.capture.serving.loop import ServingLoop
+from graphrelay.capture.model.model import MODEL_PRESETS, ModelConfig
+from graphrelay.capture.serving.workloads import SyntheticWorkload
 from graphrelay.tools.bench import options, plots, results
 from graphrelay.tools.bench import tp as tp_bench
 

@@ -31,14 +31,14 @@ from typing import Any, Optional
 import msgspec
 import torch
 
-from graphrelay.capture.checkpoint import ModelFileError
-from graphrelay.capture.engine import Engine, EngineConfig
-from graphrelay.capture.loop import LoopResult, ServingLoop
-from graphrelay.capture.model import ModelConfig, ModelWeights
-from graphrelay.capture.model_source import LoadedModel, default_dtype, load_model
-from graphrelay.capture.spec_step import SpecConfig
-from graphrelay.capture.text import TextCodec
-from graphrelay.capture.workloads import Request, SyntheticWorkload, demo_requests
+from graphrelay.capture.model.checkpoint import ModelFileError
+from graphrelay.capture.iteration.engine import Engine, EngineConfig
+from graphrelay.capture.serving.loop import LoopResult, ServingLoop
+from graphrelay.capture.model.model import ModelConfig, ModelWeights
+from graphrelay.capture.model.model_source import LoadedModel, default_dtype, load_model
+from graphrelay.capture.iteration.spec_step import SpecConfig
+from graphrelay.capture.model.text import TextCodec
+from graphrelay.capture.serving.workloads import Request, SyntheticWorkload, demo_requests
 from graphrelay.tools.bench import e2e_systems, options, plots, results
 
 COMMAND = "graphrelay bench spec"

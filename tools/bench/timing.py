@@ -16,7 +16,7 @@ from typing import Callable
 import msgspec
 import torch
 
-from graphrelay.capture.graph_runner import GraphRunner
+from graphrelay.capture.iteration.graph_runner import GraphRunner
 
 Step = Callable[[int], None]  # step(k): the k-th iteration of a loop
 

@@ -17,12 +17,12 @@ from typing import Any
 import msgspec
 import torch
 
-from graphrelay.capture.engine import Engine, EngineConfig
-from graphrelay.capture.loop import ServingLoop
-from graphrelay.capture.model import ModelConfig
-from graphrelay.capture.tp_launch import run_ranks
-from graphrelay.capture.tp_serve import serve_rank
-from graphrelay.capture.workloads import SyntheticWorkload
+from graphrelay.capture.iteration.engine import Engine, EngineConfig
+from graphrelay.capture.serving.loop import ServingLoop
+from graphrelay.capture.model.model import ModelConfig
+from graphrelay.capture.parallel.tp_launch import run_ranks
+from graphrelay.capture.parallel.tp_serve import serve_rank
+from graphrelay.capture.serving.workloads import SyntheticWorkload
 from graphrelay.tools.bench import plots, results
 
 JSON_NAME = "tp_bench.json"

@@ -25,11 +25,11 @@ from __future__ import annotations
 import msgspec
 import torch
 
-from graphrelay.capture.accept import Accepted, accept, verify_rows, verify_tokens
-from graphrelay.capture.model import LlamaModel
-from graphrelay.capture.ngram import Drafts, TokenHistory, propose
-from graphrelay.capture.sampling import sample
-from graphrelay.capture.surface import DecodeInputs
+from graphrelay.capture.iteration.accept import Accepted, accept, verify_rows, verify_tokens
+from graphrelay.capture.model.model import LlamaModel
+from graphrelay.capture.iteration.ngram import Drafts, TokenHistory, propose
+from graphrelay.capture.iteration.sampling import sample
+from graphrelay.capture.iteration.surface import DecodeInputs
 from graphrelay import Relay, RelayPayload
 from graphrelay.mirror import HostMirror
 

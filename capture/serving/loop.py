@@ -25,11 +25,11 @@ from typing import Callable, Optional
 
 import msgspec
 
-from graphrelay.capture.engine import Engine
-from graphrelay.capture.loop_stats import IterationClock, LoopStats
-from graphrelay.capture.surface import HostBatch, PrefillChunk
-from graphrelay.capture.sync_count import HostSyncCounter
-from graphrelay.capture.workloads import Request
+from graphrelay.capture.iteration.engine import Engine
+from graphrelay.capture.serving.loop_stats import IterationClock, LoopStats
+from graphrelay.capture.iteration.surface import HostBatch, PrefillChunk
+from graphrelay.capture.serving.sync_count import HostSyncCounter
+from graphrelay.capture.serving.workloads import Request
 
 MODES = ("overlap", "no-overlap", "eager")
 

@@ -9,9 +9,9 @@ from typing import Optional
 
 import msgspec
 
-from graphrelay.capture.checkpoint import read_gguf, resolve_gguf_path
-from graphrelay.capture.model import ModelConfig, ModelWeights
-from graphrelay.capture.text import TextCodec
+from graphrelay.capture.model.checkpoint import read_gguf, resolve_gguf_path
+from graphrelay.capture.model.model import ModelConfig, ModelWeights
+from graphrelay.capture.model.text import TextCodec
 
 # Presets whose real weights have a default GGUF (capture.checkpoint.default_gguf_path).
 GGUF_PRESETS = ("smollm2-135m",)

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
-from graphrelay.capture.tensor_parallel import TensorParallel
+from graphrelay.capture.parallel.tensor_parallel import TensorParallel
 
 STOP_GRACE_S = 5.0  # after SIGTERM, how long a rank may take before it is killed
 POLL_S = 0.5

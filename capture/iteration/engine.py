@@ -15,17 +15,17 @@ import msgspec
 
 import torch
 
-from graphrelay.capture.buckets import default_buckets
-from graphrelay.capture.graph_runner import CaptureReport, GraphRunner
-from graphrelay.capture.memory_plan import check_fits, plan_memory
-from graphrelay.capture.model import LlamaModel, ModelConfig, ModelWeights
-from graphrelay.capture.ngram import TokenHistory
-from graphrelay.capture.sampling import sample
-from graphrelay.capture.spec_step import SpecConfig, SpecDecodeStep
-from graphrelay.capture.step import DecodeStep
-from graphrelay.capture.sync_count import HostSyncCounter
-from graphrelay.capture.surface import DecodeInputs, HostBatch, PrefillChunk
-from graphrelay.capture.tensor_parallel import Command, LaunchCommand, PrefillCommand, StopCommand, TensorParallel
+from graphrelay.capture.iteration.buckets import default_buckets
+from graphrelay.capture.iteration.graph_runner import CaptureReport, GraphRunner
+from graphrelay.capture.model.memory_plan import check_fits, plan_memory
+from graphrelay.capture.model.model import LlamaModel, ModelConfig, ModelWeights
+from graphrelay.capture.iteration.ngram import TokenHistory
+from graphrelay.capture.iteration.sampling import sample
+from graphrelay.capture.iteration.spec_step import SpecConfig, SpecDecodeStep
+from graphrelay.capture.iteration.step import DecodeStep
+from graphrelay.capture.serving.sync_count import HostSyncCounter
+from graphrelay.capture.iteration.surface import DecodeInputs, HostBatch, PrefillChunk
+from graphrelay.capture.parallel.tensor_parallel import Command, LaunchCommand, PrefillCommand, StopCommand, TensorParallel
 from graphrelay import FieldSpec, Relay, RelayConfig, RelayPayload
 from graphrelay.mirror import HostMirror, MirrorRead
 from graphrelay.runtime import Stream, to_device_async

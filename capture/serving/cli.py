@@ -16,17 +16,17 @@ from typing import Optional
 import msgspec
 import torch
 
-from graphrelay.capture.checkpoint import ENV_VAR
-from graphrelay.capture.engine import Engine, EngineConfig
-from graphrelay.capture.graph_runner import CaptureReport
-from graphrelay.capture.loop import MODES, LoopResult, ServingLoop
-from graphrelay.capture.model import MODEL_DTYPES, MODEL_PRESETS
-from graphrelay.capture.model_source import WEIGHT_SOURCES, LoadedModel, default_dtype, load_model
-from graphrelay.capture.sampling import SamplingParams
-from graphrelay.capture.spec_step import SpecConfig
-from graphrelay.capture.tp_launch import RankFailed, run_ranks
-from graphrelay.capture.tp_serve import serve_rank
-from graphrelay.capture.workloads import Request, SyntheticWorkload, WorkloadError, demo_requests, load_jsonl
+from graphrelay.capture.model.checkpoint import ENV_VAR
+from graphrelay.capture.iteration.engine import Engine, EngineConfig
+from graphrelay.capture.iteration.graph_runner import CaptureReport
+from graphrelay.capture.serving.loop import MODES, LoopResult, ServingLoop
+from graphrelay.capture.model.model import MODEL_DTYPES, MODEL_PRESETS
+from graphrelay.capture.model.model_source import WEIGHT_SOURCES, LoadedModel, default_dtype, load_model
+from graphrelay.capture.iteration.sampling import SamplingParams
+from graphrelay.capture.iteration.spec_step import SpecConfig
+from graphrelay.capture.parallel.tp_launch import RankFailed, run_ranks
+from graphrelay.capture.parallel.tp_serve import serve_rank
+from graphrelay.capture.serving.workloads import Request, SyntheticWorkload, WorkloadError, demo_requests, load_jsonl
 
 
 def _int_range(text: str) -> tuple[int, int]:

@@ -14,7 +14,7 @@ from typing import NamedTuple, Sequence
 import msgspec
 import torch
 
-from graphrelay.capture.sampling import SamplingParams
+from graphrelay.capture.iteration.sampling import SamplingParams
 from graphrelay.runtime import Event
 
 _ALIGN = 16  # bytes: every field view starts 16-byte aligned

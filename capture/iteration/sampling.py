@@ -21,7 +21,7 @@ from typing import NamedTuple, Sequence
 import msgspec
 import torch
 
-from graphrelay.capture.sampling_kernel import MAX_RANKED, sample_triton
+from graphrelay.capture.kernels.sampling_kernel import MAX_RANKED, sample_triton
 
 _MASK32 = 0xFFFFFFFF
 _INT64_RANGE = (-(2**63), 2**63 - 1)

@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence
 import msgspec
 import torch
 
-from graphrelay.capture.buckets import bucket_for, check_buckets
+from graphrelay.capture.iteration.buckets import bucket_for, check_buckets
 from graphrelay.runtime import graph_node_count
 
 WARMUP_RUNS = 2

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Optional
 
 import msgspec
 
-from graphrelay.capture.sampling import SamplingParams
+from graphrelay.capture.iteration.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from graphrelay.capture.text import TextCodec
+    from graphrelay.capture.model.text import TextCodec
 
 
 class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

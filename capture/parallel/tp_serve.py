@@ -15,12 +15,12 @@ from typing import Optional
 import msgspec
 import torch.distributed as dist
 
-from graphrelay.capture.engine import Engine, EngineConfig
-from graphrelay.capture.graph_runner import CaptureReport
-from graphrelay.capture.loop import LoopResult, ServingLoop
-from graphrelay.capture.model import ModelWeights
-from graphrelay.capture.tensor_parallel import TensorParallel
-from graphrelay.capture.workloads import Request
+from graphrelay.capture.iteration.engine import Engine, EngineConfig
+from graphrelay.capture.iteration.graph_runner import CaptureReport
+from graphrelay.capture.serving.loop import LoopResult, ServingLoop
+from graphrelay.capture.model.model import ModelWeights
+from graphrelay.capture.parallel.tensor_parallel import TensorParallel
+from graphrelay.capture.serving.workloads import Request
 
 
 class RankState(msgspec.Struct, frozen=True):

@@ -9,7 +9,7 @@ from typing import Optional
 import msgspec
 import torch
 
-from graphrelay.capture.model import ModelConfig
+from graphrelay.capture.model.model import ModelConfig
 
 
 class MemoryPlan(msgspec.Struct, frozen=True):

@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import msgspec
 import torch
 
-from graphrelay.capture import attention
-from graphrelay.capture import layer_kernels as kernels
-from graphrelay.capture.kv_cache import KVCache
+from graphrelay.capture.kernels import attention
+from graphrelay.capture.kernels import layer_kernels as kernels
+from graphrelay.capture.model.kv_cache import KVCache
 from graphrelay.config import DTYPES
 from graphrelay.runtime import to_device_async
 
 if TYPE_CHECKING:
-    from graphrelay.capture.tensor_parallel import TensorParallel
+    from graphrelay.capture.parallel.tensor_parallel import TensorParallel
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 

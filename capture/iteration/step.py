@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from graphrelay.capture.model import LlamaModel
-from graphrelay.capture.sampling import sample
-from graphrelay.capture.surface import DecodeInputs
+from graphrelay.capture.model.model import LlamaModel
+from graphrelay.capture.iteration.sampling import sample
+from graphrelay.capture.iteration.surface import DecodeInputs
 from graphrelay import Relay, RelayPayload
 from graphrelay.mirror import HostMirror
 

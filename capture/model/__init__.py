@@ -1,0 +1,1 @@
+"""The Llama-family model: config, weights, KV cache, checkpoint and text."""

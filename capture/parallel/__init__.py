@@ -1,0 +1,1 @@
+"""Tensor parallelism: sharded ranks, their launch and their serving run."""

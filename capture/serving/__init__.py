@@ -1,0 +1,1 @@
+"""The overlap-scheduled serving loop, its workloads, statistics and command line."""
