@@ -1,6 +1,6 @@
-"""Shared builders for capture-layer tests: a decode-step stack (an `Engine`'s relay, tiny model,
-host mirror, static inputs, DecodeStep, GraphRunner), a scheduler-like driver, batch-composition schedules,
-and state comparisons whose failure messages say what differed and where.
+"""Shared builders for capture-layer tests: an iteration stack (an `Engine`'s relay, tiny model,
+host mirror, static inputs, IterationStep, GraphRunner), a scheduler-like driver, batch-composition
+schedules, and state comparisons whose failure messages say what differed and where.
 
 CPU and GPU tests drive the same code, so the GPU suite exercises exactly the flow the CPU
 tests check against the slow reference model.
@@ -20,9 +20,10 @@ from graphrelay.capture.iteration.engine import Engine, EngineConfig
 from graphrelay.capture.iteration.graph_runner import WARMUP_RUNS, GraphRunner
 from graphrelay.capture.model.model import LlamaModel, ModelConfig
 from graphrelay.capture.iteration.sampling import SamplingParams
-from graphrelay.capture.iteration.step import DecodeStep
-from graphrelay.capture.iteration.surface import DecodeInputs, HostBatch
-from graphrelay import Relay, RelayConfig, RelayPayload
+from graphrelay.capture.iteration.inputs import IterationInputs
+from graphrelay.capture.iteration.spans import Span, decode_span, prefill_span
+from graphrelay.capture.iteration.step import IterationStep
+from graphrelay import Relay, RelayConfig
 from graphrelay.mirror import HostMirror, MirrorRead
 from relay_cases import bits
 
@@ -37,13 +38,13 @@ SAMPLED = (SamplingParams(temperature=0.8, seed=11), SamplingParams(temperature=
 
 @dataclass
 class Stack:
-    """Everything one decode step touches, from an `Engine`."""
+    """Everything one iteration touches, from an `Engine`."""
 
     relay: Relay
     model: LlamaModel
     mirror: HostMirror
-    inputs: DecodeInputs
-    step: DecodeStep
+    inputs: IterationInputs
+    step: IterationStep
     runner: GraphRunner
     stream: object  # what mirror.record takes: the current torch stream on CUDA, 0 on the CPU
     engine: Engine  # the builder; the tests drive its parts directly
@@ -59,6 +60,7 @@ def build_stack(
     *,
     max_reqs: int = 24,
     max_batch: int = 16,
+    max_tokens: int = 64,
     buckets: Optional[Sequence[int]] = None,
     use_graphs: bool = True,
     depth: int = 3,
@@ -72,17 +74,17 @@ def build_stack(
     # sync; the scheduler validates slots where it assigns them). The tests drive its parts.
     engine = Engine(EngineConfig(MODEL, max_reqs=max_reqs, max_batch=max_batch, device=str(device),
                                  use_graphs=use_graphs, buckets=tuple(buckets) if buckets else None,
-                                 max_top_k=None, mirror_depth=depth))
+                                 max_top_k=None, mirror_depth=depth, max_tokens=max_tokens))
     runner = engine.runner
     stream = torch.cuda.current_stream(device) if device.type == "cuda" else 0
     stack = Stack(engine.relay, engine.model, engine.mirror, engine.inputs, engine.step, runner, stream, engine)
     stack.addresses = static_addresses(stack)
     if not runner.use_graphs:
-        # The runner's warm-up, eagerly: all-padding inputs (DecodeInputs starts zeroed).
+        # The runner's warm-up, eagerly: all-padding inputs (IterationInputs starts zeroed).
         for bs in sorted(runner.buckets, reverse=True):
             for _ in range(WARMUP_RUNS):
                 stack.step(bs)
-    engine.capture()  # graphs (if any), prefill's warm-up, and the mirror back at iteration 0
+    engine.capture()  # graphs (if any), and the mirror back at iteration 0
     return stack
 
 
@@ -104,7 +106,7 @@ def static_addresses(stack: Stack) -> dict[str, int]:
         t = getattr(stack.step.resolved, name)
         if t is not None:
             out[f"step.resolved.{name}"] = t.data_ptr()
-    for name in ("logits", "next_tokens", "new_seq_lens"):
+    for name in ("logits", "target", "seq_lens", "base"):
         out[f"step.{name}"] = getattr(stack.step, name).data_ptr()
     cache = stack.model.kv_cache
     for layer, (k, v) in enumerate(zip(cache.keys, cache.values)):
@@ -117,45 +119,45 @@ def static_addresses(stack: Stack) -> dict[str, int]:
 
 
 class Driver:
-    """Plays a scheduler over one stack: requests join (admit + prefill + first token into
-    the relay), leave, and every launch decodes a batch of slots in a given order."""
+    """Plays a scheduler over one stack: requests join (their whole prompt rides in the next
+    launch as a prefill span, which samples the first token), leave, and every launch runs
+    the decode spans of a batch of slots in a given order beside the joining prompts."""
 
     def __init__(self, stack: Stack):
         self.stack = stack
         self.params: dict[int, SamplingParams] = {}
+        self.joining: list[Span] = []
         self.iteration = 0  # next iteration to launch
 
-    def join(self, slot: int, prompt: Sequence[int], params: SamplingParams = GREEDY) -> torch.Tensor:
-        """Admit `slot` for a new request; returns its first token (greedy over the prefill
-        logits), as a [1] device tensor, after putting it and the seq len into the relay."""
-        s = self.stack
-        s.relay.admit([slot])
-        logits = s.model.prefill([slot], [list(prompt)])[0]  # [vocab]
-        token = logits.argmax().view(1)
-        index = torch.tensor([slot], dtype=torch.int64, device=s.relay.device)
-        s.relay.stash(index, RelayPayload(tokens=token))
-        s.relay.publish(index, torch.tensor([len(prompt)], dtype=torch.int32, device=s.relay.device))
+    def join(self, slot: int, prompt: Sequence[int], params: SamplingParams = GREEDY) -> None:
+        """Admit `slot` for a new request; its prompt is prefilled by the next launch."""
+        self.stack.relay.admit([slot])
+        self.joining.append(prefill_span(slot, params, list(prompt), 0, True))
         self.params[slot] = params
-        return token
 
     def leave(self, slot: int) -> None:
         del self.params[slot]
 
+    def spans(self, slots: Sequence[int]) -> list[Span]:
+        return [decode_span(slot, self.params[slot]) for slot in slots] + self.joining
+
     def launch(self, slots: Sequence[int]) -> int:
-        """Load `slots` (batch order) padded to their bucket and run one step; records the
-        iteration. Returns the size the step ran at."""
+        """Lay out `slots`' decode spans and the joining prompts in their token bucket and run
+        one iteration; records it. Returns the bucket it ran at."""
         s = self.stack
-        n = len(slots)
-        padded = s.runner.bucket(n) or n
-        s.inputs.load(HostBatch(list(slots), [self.params[x] for x in slots]), padded)
-        ran = s.runner.run(n)
-        assert ran == padded, f"runner ran {ran} rows for a batch of {n}, expected bucket {padded}"
+        spans = self.spans(slots)
+        self.joining = []
+        tokens = s.engine.check_spans(spans) if spans else 0
+        bucket = s.runner.bucket(max(tokens, 1))
+        s.inputs.load(spans, bucket, s.engine.config.tokens_per_decode)
+        ran = s.runner.run(bucket)
+        assert ran == bucket, f"runner ran {ran} tokens for an iteration of {tokens}, expected bucket {bucket}"
         s.mirror.record(self.iteration, s.stream)
         self.iteration += 1
         return ran
 
     def apply(self, plan: "StepPlan") -> int:
-        """One scheduler iteration: leaves, joins, then the decode launch."""
+        """One scheduler iteration: leaves, joins, then the launch."""
         for slot in plan.leave:
             self.leave(slot)
         for slot, prompt, params in plan.join:
@@ -171,7 +173,7 @@ class Driver:
 
 class StepPlan(NamedTuple):
     leave: list[int]  # slots whose requests finished before this step
-    join: list[tuple[int, list[int], SamplingParams]]  # (slot, prompt, params) admitted before it
+    join: list[tuple[int, list[int], SamplingParams]]  # (slot, prompt, params) prefilled in it
     batch: list[int]  # slots decoded this step, in batch order (running requests may sit out)
 
 
@@ -181,7 +183,8 @@ def composition_schedule(
     """A schedule whose batch composition changes every step: requests join and leave, freed
     slots are reused (so generations bump), the batch is a shuffled subset of the running
     requests, and batch sizes cycle through 1..max_batch (so every bucket and many padding
-    amounts occur). One step in the middle is an empty batch: a bucket of pure padding.
+    amounts occur). One step in the middle is an empty batch: a bucket of pure padding. Joining
+    prompts ride in the same iteration as the decodes of the requests already running.
 
     Prompts are at most 12 tokens, so a request stays far below max_seq_len over 64 steps."""
     rng = random.Random(seed)
@@ -200,6 +203,7 @@ def composition_schedule(
         leave = rng.sample(running, rng.randint(0, min(3, len(running))))
         for slot in leave:
             running.remove(slot)
+        batch = rng.sample(running, min(target, len(running)))
         joins = []
         want = max(target - len(running), rng.randint(0, 2))
         for _ in range(min(want, len(free))):
@@ -211,7 +215,6 @@ def composition_schedule(
             joins.append((slot, prompt, params))
             running.append(slot)
         free += leave
-        batch = rng.sample(running, min(target, len(running)))
         plans.append(StepPlan(leave, joins, batch))
     return plans
 
@@ -248,21 +251,22 @@ def gc_paused():
 
 def step_state(stack: Stack, bs: int) -> dict[str, torch.Tensor]:
     """Clones of everything a step writes: relay rows, generations, KV caches (dim 0 = slot),
-    and the step's static outputs for the bucket (dim 0 = batch row)."""
+    and the step's static outputs for token bucket `bs` (dim 0 = span or sampled row)."""
     state = {f"relay.{name}[slot]": t.clone() for name, t in stack.relay.buffers.items()}
     state["relay.generation[slot]"] = stack.relay.generation.clone()
     cache = stack.model.kv_cache
     for layer, (k, v) in enumerate(zip(cache.keys, cache.values)):
         state[f"kv.keys[{layer}][slot]"] = k.clone()
         state[f"kv.values[{layer}][slot]"] = v.clone()
-    resolved = stack.step.resolved.narrow(bs)
+    resolved = stack.step.resolved.narrow(stack.inputs.geometry(bs).spans)
     for name in resolved.__struct_fields__:
         t = getattr(resolved, name)
         if t is not None:
             state[f"step.resolved.{name}[row]"] = t.clone()
-    for name in ("logits", "next_tokens", "new_seq_lens"):
-        state[f"step.{name}[row]"] = getattr(stack.step, name)[:bs].clone()
-    state["inputs.slots[row]"] = stack.inputs.buffers.slots[:bs].clone()
+    rows = stack.inputs.geometry(bs).rows
+    for name in ("logits", "target"):
+        state[f"step.{name}[row]"] = getattr(stack.step, name)[:rows].clone()
+    state["inputs.span_slot[row]"] = stack.inputs.buffers.span_slot[:rows].clone()
     return state
 
 

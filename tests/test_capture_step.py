@@ -1,40 +1,41 @@
-"""The decode step run eagerly on the CPU (the same code a CUDA graph captures) against the slow
-reference model: greedy tokens over many steps while requests join and leave and the padding
-changes, padding that never changes a real request's result, and an empty batch."""
+"""The unified iteration run eagerly on the CPU (the same code a CUDA graph captures) against the
+slow reference model: decode spans and whole prompts in one flat batch while requests join and
+leave and the padding changes, padding that never changes a real request's result, an empty
+iteration, and parts or spans the engine cannot run refused before anything runs."""
 
 from __future__ import annotations
-
-import warnings
 
 import pytest
 import torch
 
+from graphrelay.capture.iteration.inputs import IterationInputs
+from graphrelay.capture.iteration.spans import decode_span, prefill_span
+from graphrelay.capture.iteration.step import IterationStep
 from graphrelay.capture.model.model import LlamaModel
 from model_reference import reference_logits
-from graphrelay.capture.iteration.step import DecodeStep
-from graphrelay.capture.iteration.surface import DecodeInputs
-from capture_cases import MODEL, Driver, build_stack, composition_schedule
+from capture_cases import GREEDY, MODEL, Driver, build_stack, composition_schedule
 from graphrelay import Relay, RelayConfig
 from graphrelay.mirror import HostMirror
 
-MAX_REQS, MAX_BATCH = 10, 8
+MAX_REQS, MAX_BATCH, MAX_TOKENS = 10, 8, 128
 STEPS = 14
 # Step and reference sum in different orders; their logits agree to ~1e-6, so a greedy pick
 # may only differ from the reference's where its top two logits are closer than this.
 TIE = 1e-4
 
 
-def check_against_reference(driver: Driver, seqs: dict[int, list[int]], iteration: int, n: int) -> None:
-    """The iteration's tokens, seq lens and logits against `reference_logits` of each sequence,
-    then extend the sequences with the tokens."""
+def check_against_reference(driver: Driver, seqs: dict[int, list[int]], iteration: int) -> int:
+    """Every token the iteration reported against `reference_logits` of its sequence (decode
+    rows and the first token of each joining prompt alike), then extend the sequences.
+    Returns the rows reported."""
     read = driver.read(iteration)
     step = driver.stack.step
-    assert read.slots.tolist() == step.inputs.buffers.slots[:n].tolist(), "mirror rows are not the batch rows"
-    for row, (slot, token, seq_len) in enumerate(zip(read.slots.tolist(), read.tokens.tolist(), read.seq_lens.tolist())):
+    for slot, token, seq_len in zip(read.slots.tolist(), read.tokens.tolist(), read.seq_lens.tolist()):
         seq = seqs[slot]
-        where = f"iteration {iteration}, slot {slot} (batch row {row}, {len(seq)} tokens)"
-        # The step consumed seq[-1] at position len(seq) - 1 and cached it.
+        where = f"iteration {iteration}, slot {slot} ({len(seq)} tokens)"
+        # The iteration consumed seq[-1] at position len(seq) - 1 and cached it.
         assert seq_len == len(seq), f"{where}: new seq len {seq_len}, expected {len(seq)}"
+        row = int((step.inputs.buffers.span_slot == slot).nonzero()[0])  # request-major rows, one per span
         ref = reference_logits(driver.stack.model, seq)  # [vocab]
         got = step.logits[row]
         assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), \
@@ -44,39 +45,42 @@ def check_against_reference(driver: Driver, seqs: dict[int, list[int]], iteratio
             assert float(top2[0] - top2[1]) < TIE and float(ref[token]) >= float(top2[1]), \
                 f"{where}: sampled {token}, reference argmax {int(ref.argmax())}"
         seq.append(token)
+    return len(read)
 
 
-@pytest.mark.parametrize("buckets", [[1, 2, 4, 8], [8]], ids=["dense-buckets", "one-bucket"])
-def test_eager_step_agrees_with_reference(buckets):
-    """Requests join and leave every step, batches are padded to buckets (a little with dense
-    buckets, up to 7 rows with one bucket of 8). If this failed, the decode step an engine
-    captures (relay resolve -> model -> sample -> relay stash/publish -> mirror) would emit
-    wrong tokens even before any graph is involved."""
-    stack = build_stack("cpu", max_reqs=MAX_REQS, max_batch=MAX_BATCH, buckets=buckets)
+@pytest.mark.parametrize("buckets", [None, [MAX_TOKENS]], ids=["default-buckets", "one-bucket"])
+def test_mixed_iterations_agree_with_reference(buckets):
+    """Requests join (their prompt prefilled in the same iteration as the running decodes)
+    and leave every step; iterations are padded to token buckets. If this failed, the
+    iteration an engine captures would emit wrong tokens before any graph is involved."""
+    stack = build_stack("cpu", max_reqs=MAX_REQS, max_batch=MAX_BATCH, max_tokens=MAX_TOKENS, buckets=buckets)
     driver = Driver(stack)
     seqs: dict[int, list[int]] = {}
-    padded_steps = 0
+    mixed = 0
     for plan in composition_schedule(STEPS, MAX_REQS, MAX_BATCH, seed=3, sampled=False):
         for slot in plan.leave:
             driver.leave(slot)
             del seqs[slot]
         for slot, prompt, params in plan.join:
-            seqs[slot] = prompt + [int(driver.join(slot, prompt, params))]
-        ran = driver.launch(plan.batch)
-        padded_steps += ran > len(plan.batch)
-        check_against_reference(driver, seqs, driver.iteration - 1, len(plan.batch))
-    assert padded_steps >= 3, "the schedule must exercise padded buckets"
+            driver.join(slot, prompt, params)
+            seqs[slot] = list(prompt)
+        driver.launch(plan.batch)
+        mixed += bool(plan.batch and plan.join)
+        reported = check_against_reference(driver, seqs, driver.iteration - 1)
+        assert reported == len(plan.batch) + len(plan.join)
+    assert mixed >= 3, "the schedule must mix prompts and decodes in one iteration"
 
 
 def test_padding_amount_does_not_change_tokens():
-    """The same requests decoded with no padding (a bucket per size) and with heavy padding
-    (one bucket of 8) give the same tokens and seq lens. If this failed, a request's output
-    would depend on how many other requests happen to share its iteration."""
-    exact = Driver(build_stack("cpu", max_reqs=MAX_REQS, max_batch=MAX_BATCH, buckets=list(range(1, MAX_BATCH + 1))))
-    padded = Driver(build_stack("cpu", max_reqs=MAX_REQS, max_batch=MAX_BATCH, buckets=[MAX_BATCH]))
+    """The same iterations with little padding (dense buckets) and heavy padding (one bucket)
+    give the same tokens and seq lens. If this failed, a request's output would depend on how
+    many other tokens happen to share its iteration."""
+    exact = Driver(build_stack("cpu", max_reqs=MAX_REQS, max_batch=MAX_BATCH, max_tokens=MAX_TOKENS))
+    padded = Driver(build_stack("cpu", max_reqs=MAX_REQS, max_batch=MAX_BATCH, max_tokens=MAX_TOKENS,
+                                buckets=[MAX_TOKENS]))
     for plan in composition_schedule(STEPS, MAX_REQS, MAX_BATCH, seed=5, sampled=True):
         sizes = [d.apply(plan) for d in (exact, padded)]
-        assert sizes == [len(plan.batch) or 1, MAX_BATCH]
+        assert sizes[1] == MAX_TOKENS and sizes[0] <= MAX_TOKENS
         a, b = (d.read(d.iteration - 1) for d in (exact, padded))
         for name in ("slots", "tokens", "seq_lens", "generation"):
             assert torch.equal(getattr(a, name), getattr(b, name)), \
@@ -86,49 +90,65 @@ def test_padding_amount_does_not_change_tokens():
         assert torch.equal(exact.stack.relay.buffers[name][rows], padded.stack.relay.buffers[name][rows]), name
 
 
-def test_empty_batch_is_a_bucket_of_padding():
-    """An empty batch runs the smallest bucket with one padding row and changes no request row.
-    If this failed, an idle iteration in an engine would corrupt a paused request's state."""
-    stack = build_stack("cpu", max_reqs=MAX_REQS, max_batch=MAX_BATCH, buckets=[1, 2, 4, 8])
+def test_empty_iteration_is_a_bucket_of_padding():
+    """An iteration with no spans runs the smallest bucket of padding and changes no request
+    row. If this failed, an idle iteration would corrupt a paused request's state."""
+    stack = build_stack("cpu", max_reqs=MAX_REQS, max_batch=MAX_BATCH, max_tokens=MAX_TOKENS)
     driver = Driver(stack)
     driver.join(3, [5, 6, 7])
+    driver.launch([])
     before = {name: t.clone() for name, t in stack.relay.buffers.items()}
     kv_before = stack.model.kv_cache.keys[0][1:].clone()
     assert driver.launch([]) == 1
-    read = driver.read(0)
-    assert len(read) == 0
+    assert len(driver.read(1)) == 0
     for name, t in stack.relay.buffers.items():
-        assert torch.equal(t, before[name]), f"relay.{name} changed on an empty batch"
-    assert torch.equal(stack.model.kv_cache.keys[0][1:], kv_before), "an empty batch wrote a request's KV rows"
+        assert torch.equal(t, before[name]), f"relay.{name} changed on an empty iteration"
+    assert torch.equal(stack.model.kv_cache.keys[0][1:], kv_before), "an empty iteration wrote a request's KV rows"
 
 
-def test_oversized_batch_runs_eagerly_and_agrees_with_reference():
-    """A batch above the largest bucket runs eagerly at its own size, with one warning, and
-    still decodes correctly. If this failed, a burst of requests beyond the captured buckets
-    would crash or corrupt the engine instead of merely running slower."""
-    stack = build_stack("cpu", max_reqs=MAX_REQS, max_batch=MAX_BATCH, buckets=[1, 2, 4])
-    driver = Driver(stack)
-    seqs = {}
-    for slot in range(1, 7):
-        prompt = [slot * 7 % MODEL.vocab_size, slot]
-        seqs[slot] = prompt + [int(driver.join(slot, prompt))]
-    batch = [6, 2, 4, 1, 5, 3]
-    with pytest.warns(UserWarning, match="exceeds the largest bucket"):
-        assert driver.launch(batch) == 6
-    check_against_reference(driver, seqs, 0, 6)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # warned once: the second oversized batch is silent
-        assert driver.launch(batch) == 6
-    check_against_reference(driver, seqs, 1, 6)
+def test_chunks_that_do_not_end_their_prompt_report_nothing():
+    """A prompt split over three iterations reports only the last chunk's token, which then
+    equals the token the whole prompt gives in one iteration."""
+    prompt = list(range(3, 30))
+    whole = Driver(build_stack("cpu", max_reqs=4, max_batch=4, max_tokens=32))
+    whole.join(2, prompt)
+    whole.launch([])
+    chunked = build_stack("cpu", max_reqs=4, max_batch=4, max_tokens=32)
+    engine = chunked.engine
+    chunks = [(prompt[:10], 0, False), (prompt[10:20], 10, False), (prompt[20:], 20, True)]
+    for tokens, start, last in chunks:
+        engine.launch([prefill_span(2, GREEDY, tokens, start, last)])
+    reads = [engine.read(i, block=True) for i in range(3)]
+    assert [len(r) for r in reads] == [0, 0, 1]
+    assert reads[2].tokens.tolist() == whole.read(0).tokens.tolist()
+    assert reads[2].seq_lens.tolist() == [len(prompt)]
+
+
+@pytest.mark.parametrize("spans, match", [
+    ([decode_span(0, GREEDY)], "slot must be an int in 1..4"),
+    ([decode_span(1, GREEDY), decode_span(1, GREEDY)], "one span per slot"),
+    ([prefill_span(1, GREEDY, list(range(1, 40)), 0, True)], "exceeds max_tokens 32"),
+    ([prefill_span(1, GREEDY, [1, 2], MODEL.max_seq_len - 1, True)], "exceeds max_seq_len"),
+    ([], "1..4 spans"),
+])
+def test_engine_refuses_iterations_it_cannot_run(spans, match):
+    """Bad spans are refused before anything is queued: no iteration is numbered, no slot
+    admitted."""
+    engine = build_stack("cpu", max_reqs=4, max_batch=4, max_tokens=32).engine
+    generations = engine.relay.host_generation.clone()
+    with pytest.raises(ValueError, match=match):
+        engine.launch(spans)
+    assert engine.iterations_launched == 0 and torch.equal(engine.relay.host_generation, generations)
 
 
 def test_step_rejects_mismatched_parts():
-    """DecodeStep refuses parts sized for different engines. If this failed, a mismatch would
-    surface as an out-of-bounds index inside a captured graph instead of a clear error."""
-    cfg = RelayConfig.plain(4, 4)
-    relay = Relay(cfg, "cpu", validate=False)
+    """IterationStep refuses parts sized for different engines. If this failed, a mismatch
+    would surface as an out-of-bounds index inside a captured graph instead of a clear error."""
+    relay = Relay(RelayConfig.plain(4, 4), "cpu", validate=False)
     mirror = HostMirror(relay, validate=False)
-    with pytest.raises(ValueError, match="max_batch"):
-        DecodeStep(relay, LlamaModel(MODEL, 4, "cpu"), mirror, DecodeInputs(8, "cpu"))
+    with pytest.raises(ValueError, match="sampled rows"):
+        IterationStep(relay, LlamaModel(MODEL, 4, "cpu"), mirror, IterationInputs(16, 8, 1, "cpu"))
     with pytest.raises(ValueError, match="max_reqs"):
-        DecodeStep(relay, LlamaModel(MODEL, 5, "cpu"), mirror, DecodeInputs(4, "cpu"))
+        IterationStep(relay, LlamaModel(MODEL, 5, "cpu"), mirror, IterationInputs(4, 4, 1, "cpu"))
+    with pytest.raises(ValueError, match="rows_per_span"):
+        IterationStep(relay, LlamaModel(MODEL, 4, "cpu"), mirror, IterationInputs(4, 4, 2, "cpu"))

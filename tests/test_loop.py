@@ -3,6 +3,8 @@ should, aborts leave the others unchanged, and a soak with heavy slot churn comp
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -15,12 +17,13 @@ from graphrelay.capture.serving.workloads import Request, SyntheticWorkload
 MODEL = ModelConfig.preset("tiny")
 
 
-def make_engine(mode: str, device: str, max_reqs: int = 6, max_batch: int = 4, buckets=None) -> Engine:
-    # One bucket: every mode runs every step at the same shape, so per-row results (and greedy
-    # tokens) are bit-identical across modes (see README: "Where the modes may differ").
+def make_engine(mode: str, device: str, max_reqs: int = 6, max_batch: int = 4, max_tokens: int = 24) -> Engine:
+    # One token bucket: every mode runs every iteration at the same shape, so per-row results
+    # (and greedy tokens) are bit-identical across modes (see README: "Where the modes may
+    # differ"). 24 tokens: prompts (up to 12) are chunked over iterations beside decodes.
     engine = Engine(EngineConfig(
-        MODEL, max_reqs=max_reqs, max_batch=max_batch, device=device,
-        use_graphs=mode != "eager", buckets=tuple(buckets or [max_batch]), debug=True,
+        MODEL, max_reqs=max_reqs, max_batch=max_batch, device=device, max_tokens=max_tokens,
+        use_graphs=mode != "eager", buckets=(max_tokens,), debug=True,
     ))
     engine.capture()
     return engine
@@ -138,29 +141,59 @@ def test_bad_requests_are_rejected_with_the_request_named():
 
 
 def test_the_loop_passes_on_warnings_it_does_not_count():
-    """Sync counting records warnings; the runner's oversize-batch warning must still reach the user."""
-    engine = Engine(EngineConfig(MODEL, max_reqs=6, max_batch=4, use_graphs=False, buckets=(2,)))
+    """Sync counting records warnings; any other warning raised inside the loop must still
+    reach the user."""
+    engine = Engine(EngineConfig(MODEL, max_reqs=6, max_batch=4, use_graphs=False, max_tokens=16))
     engine.capture()
-    with pytest.warns(UserWarning, match="exceeds the largest bucket"):
+    launch = engine.launch
+
+    def launch_and_warn(spans):
+        warnings.warn("a warning from inside the loop", UserWarning)
+        return launch(spans)
+
+    engine.launch = launch_and_warn
+    with pytest.warns(UserWarning, match="from inside the loop"):
         ServingLoop(engine, "overlap").run(workload(num_requests=4, output_len=(3, 5)))
 
 
-@pytest.mark.parametrize("field, value", [("max_batch", 0), ("max_reqs", -1), ("prefill_tokens", 1.5), ("max_top_k", 0)])
+@pytest.mark.parametrize("field, value", [("max_batch", 0), ("max_reqs", -1), ("max_tokens", 1.5), ("max_top_k", 0)])
 def test_engine_config_rejects_bad_sizes_by_name(field, value):
     with pytest.raises(ValueError, match=f"EngineConfig.{field} must be"):
         EngineConfig(MODEL, **{"max_reqs": 4, "max_batch": 2, field: value})
 
 
-def test_capture_warms_prefill_without_touching_serving_state():
-    """Capture also runs prefill once (its kernels compile there, not in the first request's
-    time to first token) and leaves the relay's rows and the slots' generations as they were."""
-    engine = Engine(EngineConfig(MODEL, max_reqs=3, max_batch=2, device="cpu"))
+def test_engine_config_needs_room_for_a_full_decode_iteration():
+    with pytest.raises(ValueError, match="max_tokens .* must hold a full decode iteration"):
+        EngineConfig(MODEL, max_reqs=8, max_batch=8, max_tokens=4)
+    with pytest.raises(ValueError, match="buckets must end at max_tokens"):
+        EngineConfig(MODEL, max_reqs=8, max_batch=4, max_tokens=16, buckets=(4, 8))
+
+
+def test_capture_leaves_serving_state_untouched():
+    """Capture warms every token bucket up over padding: the relay's rows, the slots'
+    generations and the iteration count stay as they were."""
+    engine = Engine(EngineConfig(MODEL, max_reqs=3, max_batch=2, device="cpu", max_tokens=8))
     before = {name: buf.clone() for name, buf in engine.relay.buffers.items()}
     generations = engine.relay.host_generation.clone()
-    calls = []
-    original = engine.model.prefill
-    engine.model.prefill = lambda *args, **kw: calls.append(args) or original(*args, **kw)
     engine.capture()
-    assert [len(chunks) for _, chunks in calls] == [1, 2]  # one chunk, then two of other lengths
-    assert all(torch.equal(before[name], buf) for name, buf in engine.relay.buffers.items())
+    assert all(torch.equal(before[name][1:], buf[1:]) for name, buf in engine.relay.buffers.items())
     assert torch.equal(engine.relay.host_generation, generations) and engine.iterations_launched == 0
+
+
+def test_long_prompt_is_chunked_beside_running_decodes():
+    """A prompt longer than the token budget is cut into chunks over several iterations while
+    an earlier request keeps decoding in every one of them, and both equal the reference."""
+    engine = make_engine("overlap", "cpu", max_tokens=8)
+    requests = [Request(id="short", prompt=[5, 6], max_new_tokens=12),
+                Request(id="long", prompt=list(range(1, 40)), max_new_tokens=3, arrival=0.0)]
+    launched = []
+    launch = engine.launch
+    engine.launch = lambda spans: launched.append([(s.slot, len(s.tokens)) for s in spans]) or launch(spans)
+    result = ServingLoop(engine, "overlap").run(requests)
+    mixed = [spans for spans in launched if any(n == 0 for _, n in spans) and any(n > 0 for _, n in spans)]
+    assert len(mixed) >= 4, launched  # the 39-token prompt rode beside decode rows, 7 tokens at a time
+    for r in requests:
+        seq = list(r.prompt)
+        for token in result.outputs[r.id].tokens:
+            assert token == int(reference_logits(engine.model, seq).argmax()), f"request {r.id} at {len(seq)}"
+            seq.append(token)

@@ -9,7 +9,7 @@ import pytest
 from graphrelay.capture.iteration.engine import Engine, EngineConfig
 from graphrelay.capture.serving.loop import ServingLoop
 from graphrelay.capture.model.model import ModelConfig
-from graphrelay.capture.iteration.spec_step import SpecConfig
+from graphrelay.capture.iteration.ngram import SpecConfig
 from graphrelay.capture.serving.workloads import Request, SyntheticWorkload
 
 MODEL = ModelConfig.preset("tiny")

@@ -15,7 +15,7 @@ from graphrelay.capture.kernels.layer_kernels import silu_mul
 from graphrelay.capture.serving.loop import ServingLoop
 from graphrelay.capture.model.model import ModelConfig, ModelWeights
 from graphrelay.capture.iteration.sampling import SamplingParams
-from graphrelay.capture.iteration.spec_step import SpecConfig
+from graphrelay.capture.iteration.ngram import SpecConfig
 from graphrelay.capture.iteration.surface import HostBatch, PrefillChunk
 from graphrelay.capture.parallel.tensor_parallel import _DECODER, _ENCODER, LaunchCommand, PrefillCommand, StopCommand, TensorParallel
 from graphrelay.capture.parallel.tp_launch import RankFailed, run_ranks

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 from graphrelay.capture.iteration.engine import Engine, EngineConfig  # noqa: E402
 from graphrelay.capture.model.model import ModelConfig  # noqa: E402
-from graphrelay.capture.iteration.spec_step import SpecConfig  # noqa: E402
+from graphrelay.capture.iteration.ngram import SpecConfig  # noqa: E402
 from graphrelay.capture.iteration.surface import DecodeInputs  # noqa: E402
 from graphrelay import FieldSpec, HostMirror, Relay, RelayConfig, RelayPayload  # noqa: E402
 

@@ -17,16 +17,36 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
+import msgspec
 import torch
 import triton
 import triton.language as tl
 
-from graphrelay.runtime import to_device_async
 
 # Left padding for the torch backend's shifted rows: tokens are >= 0, so a comparison
 # reaching before position 0 never matches.
 _BEFORE_START = -1
 _SCAN_BLOCK = 1024  # occurrence ends per kernel iteration: 4 iterations cover 4096 positions
+
+
+class SpecConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """n-gram (prompt lookup) speculation: propose `k` tokens after the most recent earlier
+    occurrence of the last n tokens, n from `max_n` down to `min_n`."""
+
+    k: int = 4
+    min_n: int = 1
+    max_n: int = 3
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.k, int) or not 1 <= self.k <= 16:
+            raise ValueError(f"SpecConfig.k (draft tokens per iteration) must be an int in 1..16, got {self.k!r}")
+        if not isinstance(self.min_n, int) or not isinstance(self.max_n, int) or not 1 <= self.min_n <= self.max_n <= 8:
+            raise ValueError(f"SpecConfig needs 1 <= min_n <= max_n <= 8, got min_n={self.min_n!r} max_n={self.max_n!r}")
+
+    @property
+    def rows(self) -> int:
+        """Query rows per request in the verify forward."""
+        return self.k + 1
 
 
 class Drafts(NamedTuple):
@@ -50,26 +70,16 @@ class TokenHistory:
         self.tokens = torch.zeros((max_reqs + 1, max_seq_len), dtype=dtype, device=device)
         self.device = self.tokens.device
 
-    def write_prompt(self, slot: int, tokens: torch.Tensor, start: int = 0) -> None:
-        """Eager (prefill): `tokens` [L] become positions start..start+L-1 of row `slot` (a
-        later chunk of a long prompt starts where the earlier ones ended).
-
-        The prompt's first sampled token is appended by the caller (or by the first decode
-        step's `append`), so the row then has length L + 1. A host tensor is staged through
-        pinned memory, so the copy does not wait for queued device work.
-        """
-        if not isinstance(slot, int) or isinstance(slot, bool) or not 1 <= slot <= self.max_reqs:
-            raise ValueError(f"write_prompt slot must be an int in 1..{self.max_reqs} (0 is padding), got {slot!r}")
-        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
-            raise ValueError(f"write_prompt start must be an int >= 0, got {start!r}")
-        if tokens.dim() != 1 or tokens.dtype.is_floating_point or not 1 <= start + tokens.shape[0] <= self.max_seq_len:
-            raise ValueError(
-                f"write_prompt tokens must be a 1-D integer tensor with start + length in 1..{self.max_seq_len}, "
-                f"got {tokens.dtype} {tuple(tokens.shape)} at start {start}"
-            )
-        if tokens.device.type == "cpu":
-            tokens = to_device_async(tokens.to(self.tokens.dtype), self.device)
-        self.tokens[slot, start : start + tokens.shape[0]].copy_(tokens, non_blocking=True)
+    def write_tokens(self, slots: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Capturable: token i becomes position `positions[i]` of row `slots[i]` (a flat batch's
+        known tokens; slot 0 rows land in the scratch row). slots, positions, tokens: [n]
+        integer, positions within 0..max_seq_len-1."""
+        n = tokens.shape[0]
+        for name, t in (("slots", slots), ("positions", positions), ("tokens", tokens)):
+            if t.shape != (n,) or t.dtype not in (torch.int32, torch.int64) or t.device != self.device:
+                raise ValueError(f"write_tokens {name} must be int32/int64 [{n}] on {self.device}, got {t.dtype} {tuple(t.shape)}")
+        flat = slots.long() * self.max_seq_len + positions.long()
+        self.tokens.view(-1).index_copy_(0, flat, tokens.to(self.tokens.dtype))
 
     def append(self, slots: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor) -> None:
         """Capturable: row i writes `tokens[i, :counts[i]]` at positions `positions[i]..` of

@@ -1,57 +1,152 @@
-"""The decode step that is captured whole, one graph per bucket:
+"""The unified iteration, captured whole, one graph per token bucket:
 
-    relay resolve (tokens, seq lens) -> model decode -> sampling
+    relay resolve (decode spans' input token and position)
+        -> positions and slots of every token; decode ids into the flat batch
+        -> [speculation: token history, n-gram drafts into the verify spans]
+        -> model forward over all T tokens (prefill chunks, decode rows, verify spans)
+        -> LM head only at the sampled rows -> sampling
+        -> [speculation: accept the leading drafts the target agrees with]
         -> relay stash + publish (one launch) -> host-mirror write
 
-Every buffer it touches is allocated here or by its parts before capture; `step(bs)` only
-reads and writes `[:bs]` views of them, so it syncs nothing and allocates nothing that a
-replay would need again.
+One route for every token: a prompt's first sampled token goes through the relay and the
+mirror exactly like a decode token. Every buffer is allocated here or by the parts before
+capture; `step(T)` reads and writes the bucket's views of them, syncs nothing and branches on
+no value.
+
+Sampled rows and the mirror are request-major: span r owns rows r * (k + 1) + j. A verify
+span's row j samples after its j-th token; a decode or last-prompt-chunk span reports one
+row; rows that are not emitted (rejected drafts, prompt chunks that do not end their
+prompt, padding) carry slot 0, which the host reader drops. Each emitted row carries its own
+seq len, so the host appends a variable number of tokens per request with one loop.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from graphrelay.capture.model.model import LlamaModel
+from graphrelay.capture.iteration.accept import Accepted, accept
+from graphrelay.capture.iteration.inputs import IterationInputs
+from graphrelay.capture.iteration.ngram import Drafts, SpecConfig, TokenHistory, propose
 from graphrelay.capture.iteration.sampling import sample
-from graphrelay.capture.iteration.surface import DecodeInputs
+from graphrelay.capture.model.model import LlamaModel
 from graphrelay import Relay, RelayPayload
 from graphrelay.mirror import HostMirror
 
 
-class DecodeStep:
-    """Binds a relay, a model, a host mirror and the static input surface into `step(bs)`.
+class IterationStep:
+    """Binds a relay, a model, a host mirror, the input surface and (when speculating) the
+    token history into `step(T)`.
 
-    The relay must be built with `validate=False` and the mirror with `validate=False`:
-    their host-side checks read values (a sync) and the step runs under sync-debug "error"
-    during warm-up. Slots are validated where the scheduler assigns them.
+    The relay and the mirror must be built with `validate=False`: their host-side checks read
+    values (a sync) and the step runs under sync-debug "error" during warm-up. Slots are
+    validated where the scheduler assigns them.
     """
 
-    def __init__(self, relay: Relay, model: LlamaModel, mirror: HostMirror, inputs: DecodeInputs, *, max_top_k: int | None = None):
+    def __init__(self, relay: Relay, model: LlamaModel, mirror: HostMirror, inputs: IterationInputs, *,
+                 spec: Optional[SpecConfig] = None, history: Optional[TokenHistory] = None,
+                 max_top_k: Optional[int] = None):
         cfg = relay.config
-        if inputs.max_batch != cfg.max_batch:
-            raise ValueError(f"inputs.max_batch {inputs.max_batch} must equal RelayConfig.max_batch {cfg.max_batch}")
+        per = spec.rows if spec else 1
+        top = inputs.geometry(inputs.max_tokens)
+        if inputs.rows_per_span != per:
+            raise ValueError(f"inputs.rows_per_span {inputs.rows_per_span} must be {per} (k + 1 when speculating)")
+        if cfg.max_batch < top.rows:
+            raise ValueError(f"RelayConfig.max_batch {cfg.max_batch} must hold the {top.rows} sampled rows "
+                             f"(one mirror row per sampled row)")
         if model.max_reqs != cfg.max_reqs:
             raise ValueError(f"model.max_reqs {model.max_reqs} must equal RelayConfig.max_reqs {cfg.max_reqs}")
+        if spec is not None and (history is None or cfg.accepted_tokens is None or cfg.accept_len is None):
+            raise ValueError("a speculative step needs a TokenHistory and a relay with accepted_tokens and accept_len")
         self.relay, self.model, self.mirror, self.inputs = relay, model, mirror, inputs
-        self.max_top_k = max_top_k
-        device = relay.device
-        # Static outputs of the step, [max_batch, ...]; views [:bs] per bucket.
-        self.resolved = relay.alloc_resolved()
-        self.logits = torch.zeros((cfg.max_batch, model.config.vocab_size), dtype=torch.float32, device=device)
-        self.next_tokens = torch.zeros(cfg.max_batch, dtype=torch.int64, device=device)
-        self.new_seq_lens = torch.zeros(cfg.max_batch, dtype=cfg.seq_len_torch_dtype, device=device)
+        self.spec, self.history, self.max_top_k, self.per = spec, history, max_top_k, per
+        device, spans, rows = relay.device, top.spans + 1, top.rows
+        self.scratch = inputs.max_tokens  # the token buffer's scratch entry
+        self.resolved = relay.alloc_resolved(spans, dtypes={"tokens": torch.int64})
+        # [R + 1]: the padding span's entry is never written by resolve; span_decode is 0 there.
+        self.seq_lens = torch.zeros(spans, dtype=torch.int64, device=device)
+        self.base = torch.zeros(spans, dtype=torch.int64, device=device)
+        self.logits = torch.zeros((rows, model.config.vocab_size), dtype=torch.float32, device=device)
+        self.target = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.columns = torch.arange(per, device=device)  # [k + 1]
+        if spec is not None:
+            self.drafts = Drafts(torch.zeros((spans, spec.k), dtype=torch.int64, device=device),
+                                 torch.zeros(spans, dtype=torch.int64, device=device))
+            self.accepted = Accepted(torch.zeros((spans, per), dtype=torch.int64, device=device),
+                                     torch.zeros(spans, dtype=torch.int64, device=device))
 
-    def __call__(self, bs: int) -> None:
-        inputs = self.inputs.narrow(bs)
-        resolved = self.relay.resolve(inputs.slots, out=self.resolved.narrow(bs))
-        logits = self.model.decode(resolved.tokens, inputs.slots, resolved.seq_lens, out=self.logits[:bs])
-        # The request's position is its sampling step: the same (seed, position) draws the same
-        # token in every mode and batch composition.
-        tokens = sample(
-            logits, inputs.temperature, inputs.top_k, inputs.seeds, resolved.seq_lens,
-            out=self.next_tokens[:bs], max_top_k=self.max_top_k, top_p=inputs.top_p,
+    def __call__(self, tokens: int) -> None:
+        g = self.inputs.geometry(tokens)
+        R, per, max_seq_len = g.spans, self.per, self.model.config.max_seq_len
+        v = self.inputs.narrow(tokens)
+        live_slots = v.span_slot[:R]
+        decode = v.span_decode.bool()  # [R + 1]
+        # Only decode spans read the relay: a prompt chunk's slot holds nothing yet.
+        resolved = self.relay.resolve(torch.where(decode[:R], live_slots, 0), out=self.resolved.narrow(R),
+                                      fields=("tokens", "seq_lens"))
+        self.seq_lens[:R].copy_(resolved.seq_lens)
+        base = torch.where(decode, self.seq_lens[: R + 1], v.span_base, out=self.base[: R + 1])
+        # Each token's position and slot from its span; a position past the cache (a verify
+        # row near the end, always rejected) is clamped and moved to the padding slot.
+        positions = base.index_select(0, v.token_span) + v.token_offset  # [T]
+        inside = positions < max_seq_len
+        slots = torch.where(inside, v.span_slot.index_select(0, v.token_span), 0)
+        positions = positions.clamp(max=max_seq_len - 1)
+        # Decode spans' input tokens from the relay; other spans scatter into the scratch entry.
+        ids = v.ids
+        ids.index_copy_(0, torch.where(decode[:R], v.span_q_start[:R], self.scratch), resolved.tokens)
+        drafts = None
+        if self.spec is not None:
+            drafts = self._draft(v, R, slots, positions, base)
+        hidden = self.model.forward(ids[:tokens], slots, positions, v.q_block_start, v.q_block_len)
+        row_positions = positions.index_select(0, v.row_token)  # [S]: each row's sampling step
+        logits = self.model.logits(hidden.index_select(0, v.row_token), out=self.logits[: g.rows])
+
+        def per_row(t: torch.Tensor) -> torch.Tensor:  # [R] -> [S], request-major
+            return t[:R, None].expand(R, per).reshape(-1)
+
+        # The draw at a row uses its token's position as the step: what plain decoding uses at
+        # that position, in every mode and batch composition.
+        target = sample(logits, per_row(v.temperature), per_row(v.top_k), per_row(v.seeds), row_positions,
+                        out=self.target[: g.rows], max_top_k=self.max_top_k, top_p=per_row(v.top_p))
+        first = row_positions.view(R, per)[:, 0]  # position of the token row 0 samples after
+        reported = torch.where(v.span_samples[:R].bool(), live_slots, 0)
+        if self.spec is None:
+            accept_len = None
+            tokens_out, next_token, counts = target, target, 1
+        else:
+            accepted = accept(drafts.tokens, drafts.num_drafts, target.view(R, per),
+                              out=Accepted(self.accepted.tokens[:R], self.accepted.accept_len[:R]))
+            counts = accepted.accept_len
+            self.history.append(reported, first + 1, accepted.tokens, counts)
+            tokens_out = accepted.tokens.view(-1)
+            next_token = accepted.tokens.gather(1, (counts - 1)[:, None])[:, 0]
+            accept_len = per_row(counts)
+        new_seq_lens = first + counts
+        payload = (RelayPayload(tokens=next_token) if self.spec is None else
+                   RelayPayload(tokens=next_token, accepted_tokens=accepted.tokens, accept_len=counts))
+        self.relay.stash_and_publish(reported, payload, new_seq_lens)
+        limit = counts if self.spec is None else counts[:, None]
+        emitted = (v.row_live.view(R, per) != 0) & (self.columns[None, :] < limit)
+        self.mirror.write(
+            torch.where(emitted, reported[:, None], 0).view(-1),
+            tokens_out,
+            (first[:, None] + self.columns[None, :] + 1).view(-1),
+            accept_len=accept_len,
         )
-        new_seq_lens = torch.add(resolved.seq_lens, 1, out=self.new_seq_lens[:bs])
-        self.relay.stash_and_publish(inputs.slots, RelayPayload(tokens=tokens), new_seq_lens)
-        self.mirror.write(inputs.slots, tokens, new_seq_lens)
+
+    def _draft(self, v, R: int, slots: torch.Tensor, positions: torch.Tensor, base: torch.Tensor) -> Drafts:
+        """Speculation: record every known token in the history (prompt chunks and each decode
+        span's current token, not the drafts, which may be rejected), propose k drafts for the
+        verify spans and place them after their current token in the flat batch."""
+        k = self.spec.k
+        is_draft = v.span_verify.index_select(0, v.token_span).bool() & (v.token_offset > 0)
+        self.history.write_tokens(torch.where(is_draft, 0, slots), positions, v.ids[: positions.shape[0]])
+        drafts = propose(self.history, v.span_slot[:R], base[:R] + 1, k, self.spec.min_n, self.spec.max_n,
+                         out=Drafts(self.drafts.tokens[:R], self.drafts.num_drafts[:R]))
+        verify = v.span_verify[:R].bool()
+        drafts.num_drafts.mul_(verify)
+        where = torch.where(verify[:, None], v.span_q_start[:R, None] + 1 + self.columns[None, :k], self.scratch)
+        v.ids.index_copy_(0, where.view(-1), drafts.tokens.view(-1))
+        return drafts

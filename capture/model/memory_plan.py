@@ -15,17 +15,17 @@ from graphrelay.capture.model.model import ModelConfig
 class MemoryPlan(msgspec.Struct, frozen=True):
     weights: int
     kv_cache: int
-    decode_buffers: int  # logits and activations of the largest decode batch (graph memory)
-    prefill_buffers: int  # activations of one prefill iteration
+    iteration_buffers: int  # logits and activations of the largest token bucket (graph memory)
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.decode_buffers + self.prefill_buffers
+        return self.weights + self.kv_cache + self.iteration_buffers
 
 
-def plan_memory(c: ModelConfig, max_reqs: int, decode_rows: int, prefill_tokens: int) -> MemoryPlan:
-    """Bytes for `max_reqs` slots, `decode_rows` query rows per decode step and a prefill token
-    budget. Activations are counted generously (every layer's widest tensor, float32 logits)."""
+def plan_memory(c: ModelConfig, max_reqs: int, max_tokens: int, sampled_rows: int) -> MemoryPlan:
+    """Bytes for `max_reqs` slots and iterations of up to `max_tokens` tokens with up to
+    `sampled_rows` sampled rows. Activations are counted generously (every layer's widest
+    tensor, float32 logits)."""
     item = c.torch_dtype.itemsize
     per_layer = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.hidden_size * c.num_heads * c.head_dim
     per_layer += 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
@@ -33,9 +33,8 @@ def plan_memory(c: ModelConfig, max_reqs: int, decode_rows: int, prefill_tokens:
     weights = (c.num_layers * per_layer + embeddings + c.hidden_size) * item
     kv_cache = 2 * c.num_layers * (max_reqs + 1) * c.max_seq_len * c.num_kv_heads * c.head_dim * item
     widest = max(2 * c.intermediate_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size)
-    decode = decode_rows * (c.vocab_size * 4 + 4 * widest * item)
-    prefill = prefill_tokens * 4 * widest * item + min(prefill_tokens, max_reqs) * c.vocab_size * 4
-    return MemoryPlan(weights, kv_cache, decode, prefill)
+    buffers = max_tokens * 4 * widest * item + sampled_rows * c.vocab_size * 4
+    return MemoryPlan(weights, kv_cache, buffers)
 
 
 def free_bytes(device: torch.device) -> Optional[int]:
@@ -54,7 +53,7 @@ def check_fits(plan: MemoryPlan, device: torch.device) -> None:
         gib = 2**30
         raise ValueError(
             f"this engine needs about {plan.total / gib:.1f} GiB on {device} (KV cache {plan.kv_cache / gib:.1f} GiB, "
-            f"weights {plan.weights / gib:.1f} GiB, decode and prefill buffers "
-            f"{(plan.decode_buffers + plan.prefill_buffers) / gib:.1f} GiB) but {free / gib:.1f} GiB is free; "
-            f"lower --max-reqs or --max-seq-len (the KV cache), or --max-batch / --prefill-tokens"
+            f"weights {plan.weights / gib:.1f} GiB, iteration buffers {plan.iteration_buffers / gib:.1f} GiB) "
+            f"but {free / gib:.1f} GiB is free; lower --max-reqs or --max-seq-len (the KV cache), or "
+            f"--max-batch / --max-tokens"
         )

@@ -25,6 +25,7 @@ import msgspec
 import torch
 
 from graphrelay.capture.kernels import attention
+from graphrelay.capture.kernels.varlen_attention import identity_block_table, q_blocks, varlen_attention
 from graphrelay.capture.kernels import layer_kernels as kernels
 from graphrelay.capture.model.kv_cache import KVCache
 from graphrelay.config import DTYPES
@@ -258,8 +259,8 @@ class LlamaModel:
 
     weights: real weights (e.g. `capture.checkpoint.read_gguf`), any float dtype on any device;
     they are cast to the config's dtype on `device`. None draws seeded random weights.
-    max_decode_rows: the most query rows one `decode` runs (the largest bucket, times the
-    query rows per request when verifying drafts); sizes the attention's split scratch.
+    max_tokens: the most query tokens one `forward` runs (the largest token bucket); sizes the
+    attention's split scratch.
     tp: this rank's place in a tensor-parallel group (`capture.tensor_parallel`): the model
     then holds its share of the heads and MLP columns (`self.shard`) and all-reduces after
     the O and down projections. `self.config` stays the whole model's.
@@ -267,7 +268,7 @@ class LlamaModel:
 
     def __init__(
         self, config: ModelConfig, max_reqs: int, device: torch.device | str, weights: "ModelWeights | None" = None,
-        max_decode_rows: int | None = None, tp: "TensorParallel | None" = None,
+        max_tokens: int | None = None, tp: "TensorParallel | None" = None,
     ) -> None:
         if not isinstance(max_reqs, int) or max_reqs < 1:
             raise ValueError(f"max_reqs must be a positive int, got {max_reqs!r}")
@@ -293,9 +294,12 @@ class LlamaModel:
         self.attention_workspace = None
         if self.device.type == "cuda":
             self.attention_workspace = attention.AttentionWorkspace(
-                max_decode_rows or max_reqs, c.num_heads, c.head_dim, attention.MAX_SPLITS, self.device
+                max_tokens or max_reqs, c.num_heads, c.head_dim, attention.MAX_SPLITS, self.device
             )
 
+        # K/V are read through a per-slot page table; this round it maps each slot to its own
+        # contiguous range of the cache, so a paged cache can follow without a new kernel.
+        self.block_table = identity_block_table(max_reqs + 1, c.max_seq_len, self.device)
         self.kv_cache = KVCache(
             c.num_layers, max_reqs, c.max_seq_len, c.num_kv_heads, c.head_dim, c.torch_dtype, self.device
         )
@@ -304,17 +308,42 @@ class LlamaModel:
     # Public paths
 
     @torch.no_grad()
+    def forward(
+        self, ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+        q_block_start: torch.Tensor, q_block_len: torch.Tensor,
+    ) -> torch.Tensor:
+        """One flat batch of T query tokens of any span kinds; returns the final-normed hidden
+        states [T, hidden]. Capturable: fixed shape in T, nothing read on the host.
+
+        ids, slots, positions [T] int64: token t is `ids[t]` at `positions[t]` of `slots[t]`;
+        it writes its K/V there and attends that slot's positions 0..positions[t]. The tokens
+        of one span are consecutive and `q_block_start / q_block_len` [NB] int32 split them
+        into the attention kernel's query blocks (`capture.kernels.varlen_attention`).
+        Padding tokens use slot 0 and belong to no block.
+        """
+        c = self.shard
+
+        def attend(index: int, q: torch.Tensor) -> torch.Tensor:  # q [T, h, d]
+            return varlen_attention(
+                q, self.kv_cache.keys[index], self.kv_cache.values[index], self.block_table, slots, positions,
+                q_block_start, q_block_len, scale=self.scale, workspace=self.attention_workspace,
+                out=torch.empty(q.shape[0], c.num_heads * c.head_dim, dtype=q.dtype, device=q.device),
+            )
+
+        return self._forward(ids, slots, positions, attend)
+
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """LM head over the rows that sample: [n, vocab] float32 (into `out` when given)."""
+        logits = self._logits(hidden)
+        return logits if out is None else out.copy_(logits)
+
+    @torch.no_grad()
     def prefill(
         self, slots: Sequence[int], chunks: Sequence[Sequence[int]], starts: Sequence[int] | None = None
     ) -> torch.Tensor:
-        """Prefill a batch of prompt chunks in one forward; returns logits [B, vocab] float32 of
-        each chunk's last token.
-
-        Chunk b holds tokens for positions `starts[b] ..` of slot `slots[b]` (starts default to 0;
-        a later chunk of a long prompt attends the cache its earlier chunks wrote). Chunks are
-        padded to the longest one; padding tokens run on slot 0 (scratch), so they never touch a
-        request's cache rows. Eager: lengths are host values, so this is not captured.
-        """
+        """Eager convenience over `forward`: a batch of prompt chunks, logits [B, vocab] float32
+        of each chunk's last token. Chunk b holds tokens for positions `starts[b] ..` of slot
+        `slots[b]` (starts default to 0)."""
         c = self.shard
         starts = [0] * len(slots) if starts is None else list(starts)
         if not slots or not len(slots) == len(chunks) == len(starts):
@@ -331,31 +360,17 @@ class LlamaModel:
                 raise ValueError(f"prefill chunk for slot {slot} holds a token id outside 0..{c.vocab_size - 1}")
         if len(set(slots)) != len(slots):
             raise ValueError("prefill slots repeat; give each request one chunk per batch")
-        batch, longest = len(slots), max(len(chunk) for chunk in chunks)
-        # One host buffer, staged with one non-blocking copy: per padded token its id, slot and
-        # position ([3, B, T]), then per chunk its slot, start and length ([3, B]).
-        host = torch.zeros(3 * batch * longest + 3 * batch, dtype=torch.int64)
-        per_token, per_chunk = host[: 3 * batch * longest].view(3, batch, longest), host[3 * batch * longest :].view(3, batch)
-        for b, (slot, chunk, start) in enumerate(zip(slots, chunks, starts)):
-            n = len(chunk)
-            per_token[0, b, :n] = torch.tensor(chunk, dtype=torch.int64)
-            per_token[1, b, :n] = slot
-            per_token[2, b, :n] = torch.arange(start, start + n)
-            per_chunk[:, b] = torch.tensor([slot, start, n])
-        dev = to_device_async(host, self.device)
-        tokens, token_slots, positions = dev[: 3 * batch * longest].view(3, -1)  # each [B * T]
-        chunk_slots, chunk_starts, chunk_lengths = dev[3 * batch * longest :].view(3, batch)  # each [B]
-        key_len = max(start + len(chunk) for chunk, start in zip(chunks, starts))
-
-        def attend(index: int, q: torch.Tensor) -> torch.Tensor:  # q [B * T, h, d]
-            return attention.prefill_attention(
-                q.view(batch, longest, c.num_heads, c.head_dim), self.kv_cache.keys[index],
-                self.kv_cache.values[index], chunk_slots, chunk_starts, chunk_lengths,
-                scale=self.scale, key_len=key_len,
-            ).reshape(batch * longest, -1)
-
-        hidden = self._forward(tokens, token_slots, positions, attend)  # [B * T, hidden]
-        last = torch.tensor([b * longest + len(chunk) - 1 for b, chunk in enumerate(chunks)])
+        lengths = [len(chunk) for chunk in chunks]
+        offsets = [sum(lengths[:b]) for b in range(len(chunks))]
+        ids = [t for chunk in chunks for t in chunk]
+        token_slots = [slot for slot, n in zip(slots, lengths) for _ in range(n)]
+        positions = [start + i for start, n in zip(starts, lengths) for i in range(n)]
+        block_start, block_len = q_blocks(lengths, offsets)
+        host = torch.tensor([ids, token_slots, positions], dtype=torch.int64)
+        blocks = torch.tensor([block_start, block_len], dtype=torch.int32)
+        dev, dev_blocks = to_device_async(host, self.device), to_device_async(blocks, self.device)
+        hidden = self.forward(dev[0], dev[1], dev[2], dev_blocks[0], dev_blocks[1])
+        last = torch.tensor([o + n - 1 for o, n in zip(offsets, lengths)])
         return self._logits(hidden.index_select(0, to_device_async(last, self.device)))
 
     @torch.no_grad()
@@ -366,11 +381,11 @@ class LlamaModel:
         seq_lens: torch.Tensor,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One decode step for a bucket of `bs` rows; returns logits [bs, vocab] float32.
+        """Convenience over `forward`: one single-token span per row; logits [bs, vocab] float32.
 
         tokens, slots, seq_lens: [bs] int32 or int64 on the model's device. Row i writes K/V
         at [slots[i], seq_lens[i]] and attends over positions 0..seq_lens[i]; padded rows use
-        slot 0 with any in-range seq len. Capturable: only metadata is checked here.
+        slot 0 with any in-range seq len. Nothing is read on the host.
         NOTE: values are not checked (that would sync): the kernels clamp an out-of-range slot
         or position so they never touch memory outside the cache, but that row's result is then
         meaningless. The scheduler assigns slots and lengths; it is where they are checked.
@@ -386,17 +401,9 @@ class LlamaModel:
         if out is not None and (out.shape != (bs, self.config.vocab_size) or out.dtype != torch.float32
                                 or out.device != self.device):
             raise ValueError(f"decode out must be a float32 [{bs}, {self.config.vocab_size}] tensor on {self.device}")
-        slots64, positions = slots.long(), seq_lens.long()
-
-        def attend(index: int, q: torch.Tensor) -> torch.Tensor:  # q [bs, h, d]
-            return attention.decode_attention(
-                q, self.kv_cache.keys[index], self.kv_cache.values[index], slots64, positions,
-                scale=self.scale, workspace=self.attention_workspace,
-            )
-
-        hidden = self._forward(tokens, slots64, positions, attend)
-        logits = self._logits(hidden)
-        return logits if out is None else out.copy_(logits)
+        rows = torch.arange(bs, dtype=torch.int32, device=self.device)
+        hidden = self.forward(tokens.long(), slots.long(), seq_lens.long(), rows, torch.ones_like(rows))
+        return self.logits(hidden, out)
 
     # ----------------------------------------------------------------------------------------
     # Shared layer stack

@@ -9,9 +9,9 @@ per-(seed, position) draws) picks the same token on every rank by construction, 
 rank's relay holds the same values without any extra communication.
 
 Two process groups: the device group (NCCL on GPUs, gloo on CPUs) carries the all-reduces,
-which are captured inside the decode graphs; a gloo group on the CPU carries the scheduler's
-commands from rank 0 to the others (`send` / `receive`), so handing out a batch never touches
-a GPU stream. The split itself: `ModelConfig.shard` and `ModelWeights.shard`.
+which are captured inside the iteration graphs; a gloo group on the CPU carries the scheduler's
+commands from rank 0 to the others (`send` / `receive`), so handing out an iteration never
+touches a GPU stream. The split itself: `ModelConfig.shard` and `ModelWeights.shard`.
 """
 
 from __future__ import annotations
@@ -24,19 +24,13 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from graphrelay.capture.iteration.surface import HostBatch, PrefillChunk
-
-
-class PrefillCommand(msgspec.Struct, frozen=True, tag="prefill"):
-    """Rank 0 queued a prefill iteration of these chunks."""
-
-    chunks: list[PrefillChunk]
+from graphrelay.capture.iteration.spans import Span
 
 
 class LaunchCommand(msgspec.Struct, frozen=True, tag="launch"):
-    """Rank 0 queued a decode iteration for this batch."""
+    """Rank 0 queued an iteration of these spans."""
 
-    batch: HostBatch
+    spans: list[Span]
 
 
 class StopCommand(msgspec.Struct, frozen=True, tag="stop"):
@@ -46,7 +40,7 @@ class StopCommand(msgspec.Struct, frozen=True, tag="stop"):
     failed: bool = False
 
 
-Command = Union[PrefillCommand, LaunchCommand, StopCommand]
+Command = Union[LaunchCommand, StopCommand]
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Command)
 

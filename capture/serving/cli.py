@@ -17,13 +17,13 @@ import msgspec
 import torch
 
 from graphrelay.capture.model.checkpoint import ENV_VAR
-from graphrelay.capture.iteration.engine import Engine, EngineConfig
+from graphrelay.capture.iteration.engine import DEFAULT_MAX_TOKENS, Engine, EngineConfig
 from graphrelay.capture.iteration.graph_runner import CaptureReport
 from graphrelay.capture.serving.loop import MODES, LoopResult, ServingLoop
 from graphrelay.capture.model.model import MODEL_DTYPES, MODEL_PRESETS
 from graphrelay.capture.model.model_source import WEIGHT_SOURCES, LoadedModel, default_dtype, load_model
 from graphrelay.capture.iteration.sampling import SamplingParams
-from graphrelay.capture.iteration.spec_step import SpecConfig
+from graphrelay.capture.iteration.ngram import SpecConfig
 from graphrelay.capture.parallel.tp_launch import RankFailed, run_ranks
 from graphrelay.capture.parallel.tp_serve import serve_rank
 from graphrelay.capture.serving.workloads import Request, SyntheticWorkload, WorkloadError, demo_requests, load_jsonl
@@ -65,9 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-token", type=int, action="append", default=[], help="synthetic: stop token id (repeatable)")
     p.add_argument("--seed", type=int, default=0, help="synthetic: workload seed")
     p.add_argument("--max-reqs", type=int, default=16, help="request slots in the relay and KV cache (default 16)")
-    p.add_argument("--max-batch", type=int, default=16, help="largest decode batch (default 16)")
-    p.add_argument("--prefill-tokens", type=int, default=2048, help="token budget of one prefill iteration (default 2048)")
-    p.add_argument("--buckets", type=_int_list, default=None, help="batch-size buckets to capture (default: dense small, coarse large)")
+    p.add_argument("--max-batch", type=int, default=16, help="most requests in one iteration (default 16)")
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help=f"token budget of one iteration: decode rows + prompt chunks (default {DEFAULT_MAX_TOKENS})")
+    p.add_argument("--buckets", type=_int_list, default=None,
+                   help="token-count buckets to capture, ending at --max-tokens (default: dense small, coarse large)")
     p.add_argument("--max-top-k", type=int, default=64, help="static cap on top-k sampling width")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks: spawns one process per GPU (NCCL; gloo on --device cpu); default 1")
@@ -147,8 +149,12 @@ def generate_main(argv: list[str]) -> int:
                              f"--max-seq-len {loaded.config.max_seq_len}; raise --max-seq-len")
         request = Request(id="0", prompt=prompt, max_new_tokens=args.max_new_tokens, stop_tokens=loaded.codec.stop_tokens,
                           sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed))
+        spec = _spec(args)
+        # One request: graphs only up to its prompt (later iterations are single decode spans).
+        max_tokens = max(len(prompt), spec.rows if spec else 1)
         engine = Engine(EngineConfig(loaded.config, max_reqs=1, max_batch=1, device=str(device),
-                                     use_graphs=device.type == "cuda", spec=_spec(args)), weights=loaded.weights)
+                                     use_graphs=device.type == "cuda", spec=spec, max_tokens=max_tokens),
+                        weights=loaded.weights)
         engine.capture()
         result = ServingLoop(engine, "overlap").run([request])
     except (WorkloadError, ValueError, RuntimeError) as exc:
@@ -181,7 +187,7 @@ def _serve(args) -> int:
     config = EngineConfig(
         model, max_reqs=args.max_reqs, max_batch=args.max_batch, device=str(device), use_graphs=use_graphs,
         buckets=tuple(args.buckets) if args.buckets else None, max_top_k=args.max_top_k,
-        prefill_tokens=args.prefill_tokens, spec=_spec(args),
+        max_tokens=args.max_tokens, spec=_spec(args),
     )
     if args.tp < 1:
         raise ValueError(f"--tp must be at least 1, got {args.tp}")

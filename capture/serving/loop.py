@@ -1,14 +1,16 @@
-"""The overlap-scheduled continuous-batching decode loop.
+"""The overlap-scheduled continuous-batching loop.
 
 Each turn of the loop (mode `overlap`):
 
-    prefill iteration (new arrivals and unfinished prompts, chunked to a token budget)
-        -> launch decode iteration N (graph replay)
+    schedule iteration N: every running request's decode span first, then prompt chunks
+        (unfinished prompts, then new arrivals) filling the token budget
+        -> launch N (one graph replay for all of its tokens)
         -> read older iterations' host mirror (the GPU is busy with N meanwhile)
         -> append tokens, finish requests (stop token / length / abort) -> free slots
 
-Prefill and decode iterations are numbered in one sequence and read back the same way: every
-sampled token, a prompt's first one included, reaches the host through the mirror.
+A long prompt is cut into chunks over several iterations, so it never stalls the running
+decodes, and an arrival never waits for a separate prefill turn. Every sampled token, a
+prompt's first one included, reaches the host through the mirror.
 
 `no-overlap` reads iteration N right after launching it (the GPU idles while the CPU
 schedules); `eager` is `overlap` without CUDA graphs (the engine decides that). A request
@@ -27,7 +29,7 @@ import msgspec
 
 from graphrelay.capture.iteration.engine import Engine
 from graphrelay.capture.serving.loop_stats import IterationClock, LoopStats
-from graphrelay.capture.iteration.surface import HostBatch, PrefillChunk
+from graphrelay.capture.iteration.spans import Span, decode_span, prefill_span
 from graphrelay.capture.serving.sync_count import HostSyncCounter
 from graphrelay.capture.serving.workloads import Request
 
@@ -56,7 +58,7 @@ class _Live:
         self.request = request
         self.slot = slot
         self.tokens: list[int] = []
-        self.prefilled = 0  # prompt tokens launched in prefill chunks so far
+        self.prefilled = 0  # prompt tokens launched in chunks so far
         self.scheduled = 0  # tokens that will exist once launched work lands
         self.last_launch = -1  # last iteration (prefill or decode) that touches this slot
         self.first_token_s: Optional[float] = None  # run time when the first token was read
@@ -66,8 +68,8 @@ class _Live:
         return len(self.request.prompt) - self.prefilled
 
     def wants_decode(self) -> bool:
-        # The prompt's last chunk is launched (it samples token 1), so decode may follow it on
-        # the stream at once: the token is resolved on the device.
+        # The prompt's last chunk is launched (it samples token 1), so decode may follow it in
+        # the next iteration at once: the token is resolved on the device.
         return self.done is None and self.prompt_left() == 0 and self.scheduled < self.request.max_new_tokens
 
 
@@ -131,7 +133,7 @@ class _Run:
         self.completed = -1  # every iteration <= this has been read back
         self.outputs: dict[str, RequestOutput] = {}
         self.clock = IterationClock(engine.stream)
-        self.decode_rows: dict[int, int] = {}  # decode iteration in flight -> requests it runs
+        self.decode_slots: dict[int, set[int]] = {}  # iteration in flight -> slots it decodes
         self.request_steps = 0  # (request, decode iteration) pairs read back
         self.decode_tokens = 0  # tokens those produced (more than one each with speculation)
 
@@ -140,12 +142,11 @@ class _Run:
         while self.pending or self.live or self.inflight:
             self.clock.turn_start()
             self._apply_aborts()
-            prefilled = self._prefill()
             launched = self._launch()
-            keep = 1 if (self.overlap and (launched or prefilled)) else 0
+            keep = 1 if (self.overlap and launched) else 0
             while len(self.inflight) > keep:
                 self._process(self.inflight.popleft())
-            if not (launched or prefilled or self.inflight):
+            if not (launched or self.inflight):
                 self._idle()
             self._release_slots()
             self.clock.turn_end(launched)
@@ -153,17 +154,26 @@ class _Run:
                 self.clock.report(self.progress, len(self.live), len(self.outputs), len(self.pending))
         self.clock.finish()
 
-    # ---- admission ------------------------------------------------------------------------
+    # ---- scheduling -----------------------------------------------------------------------
 
-    def _prefill(self) -> bool:
-        """Launch one prefill iteration: unfinished prompts first (FIFO), then new arrivals,
-        chunked to the engine's token budget so a long prompt never stalls decode for long."""
-        budget, chunks = self.engine.config.prefill_tokens, []
-        rows = [self.live[s] for s in self.order if self.live[s].done is None and self.live[s].prompt_left()]
+    def _schedule(self) -> tuple[list[Span], int]:
+        """One iteration's spans: every running request's decode span first (FIFO), then
+        prompt chunks filling the token budget: unfinished prompts first, then new arrivals.
+        Returns the spans and how many are decode spans."""
+        engine = self.engine
+        spans: list[Span] = []
+        for slot in self.order:
+            live = self.live[slot]
+            if len(spans) < engine.max_batch and live.wants_decode():
+                spans.append(decode_span(slot, live.request.sampling))
+                live.scheduled += 1  # at least one: speculation may add more, known an iteration late
+        decodes = len(spans)
+        budget = engine.max_tokens - decodes * engine.config.tokens_per_decode
+        prompts = [self.live[s] for s in self.order if self.live[s].done is None and self.live[s].prompt_left()]
         now = self.clock.elapsed()
-        while budget > 0 and len(chunks) < self.engine.max_batch:
-            if rows:
-                live = rows.pop(0)
+        while budget > 0 and len(spans) < engine.max_batch:
+            if prompts:
+                live = prompts.pop(0)
             elif self.pending and self.free and self.pending[0].arrival <= now:
                 live = _Live(self.pending.popleft(), self.free.pop())
                 self.live[live.slot] = live
@@ -176,28 +186,21 @@ class _Run:
             budget -= n
             last = live.prompt_left() == 0
             live.scheduled += int(last)
-            chunks.append(PrefillChunk(live.slot, live.request.prompt[start : start + n], start, last, live.request.sampling))
-        if not chunks:
-            return False
-        iteration = self.engine.prefill(chunks)
-        for chunk in chunks:
-            self.live[chunk.slot].last_launch = iteration
-        self.inflight.append(iteration)
-        return True
+            spans.append(prefill_span(live.slot, live.request.sampling, live.request.prompt[start: start + n], start, last))
+        return spans, decodes
 
     def _launch(self) -> bool:
-        rows = [self.live[s] for s in self.order if self.live[s].wants_decode()][: self.engine.max_batch]
-        if not rows:
+        spans, decodes = self._schedule()
+        if not spans:
             return False
-        batch = HostBatch(slots=[r.slot for r in rows], params=[r.request.sampling for r in rows])
         self.clock.launch_start()
-        iteration = self.engine.launch(batch)
+        iteration = self.engine.launch(spans)
         self.clock.launch_end(iteration)
-        for r in rows:
-            r.scheduled += 1  # at least one: speculation may add more, known an iteration late
-            r.last_launch = iteration
+        for span in spans:
+            self.live[span.slot].last_launch = iteration
         self.inflight.append(iteration)
-        self.decode_rows[iteration] = len(rows)
+        if decodes:
+            self.decode_slots[iteration] = {span.slot for span in spans[:decodes]}
         return True
 
     # ---- results --------------------------------------------------------------------------
@@ -209,10 +212,11 @@ class _Run:
         self.completed = iteration
         self.clock.iteration_done(iteration)
         fresh = read.fresh()
-        if self.decode_rows.pop(iteration, None) is not None:
-            self.request_steps += len(set(fresh.slots.tolist()))
-            self.decode_tokens += len(fresh)
-        for slot, token in zip(fresh.slots.tolist(), fresh.tokens.tolist()):
+        slots, tokens = fresh.slots.tolist(), fresh.tokens.tolist()
+        decoded = self.decode_slots.pop(iteration, set())
+        self.request_steps += len(decoded.intersection(slots))
+        self.decode_tokens += sum(slot in decoded for slot in slots)
+        for slot, token in zip(slots, tokens):
             live = self.live.get(slot)
             if live is None or live.done is not None:
                 continue  # the request finished while this iteration was in flight: discard

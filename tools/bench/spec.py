@@ -36,7 +36,7 @@ from graphrelay.capture.iteration.engine import Engine, EngineConfig
 from graphrelay.capture.serving.loop import LoopResult, ServingLoop
 from graphrelay.capture.model.model import ModelConfig, ModelWeights
 from graphrelay.capture.model.model_source import LoadedModel, default_dtype, load_model
-from graphrelay.capture.iteration.spec_step import SpecConfig
+from graphrelay.capture.iteration.ngram import SpecConfig
 from graphrelay.capture.model.text import TextCodec
 from graphrelay.capture.serving.workloads import Request, SyntheticWorkload, demo_requests
 from graphrelay.tools.bench import e2e_systems, options, plots, results

@@ -1,0 +1,196 @@
+"""The static input surface of one unified iteration: max-shape device buffers the graphs read.
+
+An iteration is a flat batch of up to `max_tokens` tokens from up to `max_spans` requests,
+each a query span (`capture.iteration.spans`): a decode row, a prefill chunk, or a verify span.
+The host lays the batch out in a pinned staging buffer (token ids of prompt chunks, each
+token's span and offset in it, per-span metadata and sampling params, per-sampled-row token
+index, and the attention's query blocks) and copies it to the device with ONE non-blocking
+copy. What the host cannot know (a decode span's position and input token, the drafts) the
+captured step resolves on the device from the relay and the token history.
+
+Geometry of a token bucket `T` (all static): `R = min(T, max_spans)` spans plus one padding
+span at index `R` (slot 0, position 0) that padding tokens point to; `S = R * rows_per_span`
+sampled rows, request-major (span r owns rows r * rows_per_span ..); `NB` query blocks for
+the attention kernel. The graphs read `[:T]`, `[:R + 1]`, `[:S]` and `[:NB]` views, whose
+addresses never change. The token buffer has one scratch entry past `max_tokens` that
+padding spans scatter into.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from graphrelay.capture.iteration.spans import Span
+from graphrelay.capture.kernels.varlen_attention import max_q_blocks, q_blocks
+from graphrelay.runtime import Event
+
+_ALIGN = 16  # bytes: every field view starts 16-byte aligned
+
+
+class Geometry(NamedTuple):
+    """Static sizes of one token bucket."""
+
+    tokens: int  # T
+    spans: int  # R (the padding span is index R)
+    rows: int  # S = R * rows_per_span
+    q_blocks: int  # NB
+
+
+class InputsView(NamedTuple):
+    """One bucket's views of the device inputs."""
+
+    ids: torch.Tensor  # [T_max + 1] int64: prompt token ids; decode ids and drafts land here on device
+    token_span: torch.Tensor  # [T] int64: the span each token belongs to (R: padding)
+    token_offset: torch.Tensor  # [T] int64: the token's index inside its span
+    span_slot: torch.Tensor  # [R + 1] int64, 0 = padding
+    span_base: torch.Tensor  # [R + 1] int64: a prefill chunk's first position (decode: resolved)
+    span_decode: torch.Tensor  # [R + 1] int64 0/1: position and input token come from the relay
+    span_verify: torch.Tensor  # [R + 1] int64 0/1: a decode span carrying drafts (speculation)
+    span_samples: torch.Tensor  # [R + 1] int64 0/1: its sampled token is reported
+    span_q_start: torch.Tensor  # [R + 1] int64: flat index of its first token (padding: scratch)
+    temperature: torch.Tensor  # [R + 1] float32, 0 = greedy
+    top_k: torch.Tensor  # [R + 1] int32, 0 = no cut
+    seeds: torch.Tensor  # [R + 1] int64
+    top_p: torch.Tensor  # [R + 1] float32, 1 = no cut
+    row_token: torch.Tensor  # [S] int64: flat index of the token whose logits this row samples
+    row_live: torch.Tensor  # [S] int64 0/1: the row may be emitted (padding rows never)
+    q_block_start: torch.Tensor  # [NB] int32
+    q_block_len: torch.Tensor  # [NB] int32, 0 = padding block
+
+
+# name -> (dtype, level, padding value); level sizes the field: tokens, spans, rows, blocks.
+_FIELDS = {
+    "ids": (torch.int64, "ids", 0),
+    "token_span": (torch.int64, "tokens", None),  # padding tokens point at the padding span R
+    "token_offset": (torch.int64, "tokens", 0),
+    "span_slot": (torch.int64, "spans", 0),
+    "span_base": (torch.int64, "spans", 0),
+    "span_decode": (torch.int64, "spans", 0),
+    "span_verify": (torch.int64, "spans", 0),
+    "span_samples": (torch.int64, "spans", 0),
+    "span_q_start": (torch.int64, "spans", None),  # padding spans scatter into the scratch entry
+    "temperature": (torch.float32, "spans", 0.0),
+    "top_k": (torch.int32, "spans", 0),
+    "seeds": (torch.int64, "spans", 0),
+    "top_p": (torch.float32, "spans", 1.0),
+    "row_token": (torch.int64, "rows", 0),
+    "row_live": (torch.int64, "rows", 0),
+    "q_block_start": (torch.int32, "blocks", 0),
+    "q_block_len": (torch.int32, "blocks", 0),
+}
+
+
+class IterationInputs:
+    """Device input buffers at full shape plus `depth` pinned staging copies of the same layout.
+
+    max_tokens: the most tokens one iteration carries (the largest bucket). max_spans: the most
+    requests it carries. rows_per_span: sampled rows per span (k + 1 when speculating, else 1).
+
+    NOTE: a staging copy may be rewritten only after the device copy that last read it ran;
+    with `depth` copies and a loop that keeps one iteration in flight, depth 2 never waits. If
+    it would, `load` blocks on that copy's event and counts it in `staging_waits`.
+    """
+
+    def __init__(self, max_tokens: int, max_spans: int, rows_per_span: int, device: torch.device | str,
+                 depth: int = 2):
+        self.max_tokens, self.max_spans, self.rows_per_span = max_tokens, max_spans, rows_per_span
+        self.device = torch.device(device)
+        self.on_gpu = self.device.type == "cuda"
+        top = self.geometry(max_tokens)
+        self._sizes = {"ids": max_tokens + 1, "tokens": max_tokens, "spans": top.spans + 1, "rows": top.rows,
+                       "blocks": top.q_blocks}
+        offsets, end = {}, 0
+        for name, (dtype, level, _) in _FIELDS.items():
+            offsets[name] = end
+            end += -(-self._sizes[level] * dtype.itemsize // _ALIGN) * _ALIGN
+        self._offsets, self._nbytes = offsets, end
+        self._device_bytes = torch.zeros(end, dtype=torch.uint8, device=self.device)
+        self.buffers = self._views(self._device_bytes)
+        # On the CPU the device buffers are host memory already: load writes them directly.
+        depth = depth if self.on_gpu else 1
+        self._staging = torch.zeros((depth, end), dtype=torch.uint8, pin_memory=self.on_gpu)
+        staged = [self._views(self._staging[k]) for k in range(depth)] if self.on_gpu else [self.buffers]
+        self._staged = [{name: t.numpy() for name, t in view._asdict().items()} for view in staged]
+        self._copied = [Event(device=self.device) for _ in range(depth)] if self.on_gpu else []
+        self._next = 0
+        self.staging_waits = 0
+
+    def geometry(self, tokens: int) -> Geometry:
+        spans = min(tokens, self.max_spans)
+        return Geometry(tokens, spans, spans * self.rows_per_span, max_q_blocks(tokens, spans))
+
+    def _views(self, raw: torch.Tensor) -> InputsView:
+        return InputsView(**{
+            name: raw[self._offsets[name]: self._offsets[name] + self._sizes[level] * dtype.itemsize].view(dtype)
+            for name, (dtype, level, _) in _FIELDS.items()
+        })
+
+    def narrow(self, tokens: int) -> InputsView:
+        g = self.geometry(tokens)
+        sizes = {"ids": self.max_tokens + 1, "tokens": g.tokens, "spans": g.spans + 1, "rows": g.rows,
+                 "blocks": g.q_blocks}
+        return InputsView(*(t[: sizes[_FIELDS[name][1]]] for name, t in zip(InputsView._fields, self.buffers)))
+
+    def load(self, spans: list[Span], tokens: int, decode_tokens: int, stream=None) -> None:
+        """Lay `spans` out for bucket `tokens` and copy them to the device on `stream` (a torch
+        CUDA stream; ignored on the CPU) without blocking the host. `decode_tokens`: tokens per
+        decode span (k + 1 when it verifies drafts, else 1). The caller has checked the spans."""
+        g = self.geometry(tokens)
+        k = self._next
+        if self.on_gpu and not self._copied[k].query():
+            self.staging_waits += 1
+            self._copied[k].synchronize()
+        self._fill(self._staged[k], spans, g, decode_tokens)
+        if self.on_gpu:
+            stream = stream if stream is not None else torch.cuda.current_stream(self.device)
+            with torch.cuda.stream(stream):
+                self._device_bytes.copy_(self._staging[k], non_blocking=True)
+            self._copied[k].record(stream)
+            self._next = (k + 1) % len(self._staged)
+
+    def _fill(self, host: dict[str, np.ndarray], spans: list[Span], g: Geometry, decode_tokens: int) -> None:
+        n_spans, per = len(spans), self.rows_per_span
+        lengths = [len(s.tokens) if s.tokens else decode_tokens for s in spans]
+        starts = np.zeros(n_spans + 1, dtype=np.int64)
+        np.cumsum(lengths, out=starts[1:])
+        used = int(starts[-1])
+        # Padding first, then the spans over it.
+        for name, (_, level, pad) in _FIELDS.items():
+            if level != "ids" and pad is not None:
+                host[name][: self._level_size(level, g)] = pad
+        host["token_span"][: g.tokens] = g.spans
+        host["span_q_start"][: g.spans + 1] = self.max_tokens
+        host["token_span"][:used] = np.repeat(np.arange(n_spans, dtype=np.int64), lengths)
+        host["token_offset"][:used] = np.arange(used, dtype=np.int64) - np.repeat(starts[:-1], lengths)
+        verify = decode_tokens > 1
+        for r, span in enumerate(spans):
+            q = int(starts[r])
+            host["span_slot"][r] = span.slot
+            host["span_q_start"][r] = q
+            host["temperature"][r] = span.params.temperature
+            host["top_k"][r] = span.params.top_k
+            host["seeds"][r] = span.params.seed
+            host["top_p"][r] = span.params.top_p
+            row = r * per
+            if span.tokens:
+                host["ids"][q: q + lengths[r]] = span.tokens
+                host["span_base"][r] = span.start
+                host["span_samples"][r] = int(span.samples)
+                host["row_token"][row] = q + lengths[r] - 1  # a prompt samples after its last token
+                host["row_live"][row] = int(span.samples)
+            else:
+                host["span_decode"][r] = 1
+                host["span_verify"][r] = int(verify)
+                host["span_samples"][r] = 1
+                host["row_token"][row: row + lengths[r]] = np.arange(q, q + lengths[r])
+                host["row_live"][row: row + lengths[r]] = 1
+        block_start, block_len = q_blocks(lengths, starts[:-1].tolist())
+        host["q_block_start"][: len(block_start)] = block_start
+        host["q_block_len"][: len(block_len)] = block_len
+
+    def _level_size(self, level: str, g: Geometry) -> int:
+        return {"tokens": g.tokens, "spans": g.spans + 1, "rows": g.rows, "blocks": g.q_blocks}[level]
+
