@@ -58,9 +58,10 @@ def hf_tokens(gguf_path, ours):
 
 def test_greedy_tokens_equal_transformers(ours, hf_tokens):
     """Four prompts of different lengths through the overlap loop, three slots for four
-    requests (the fourth joins mid-way when a slot frees), a bucket of 4 (padding rows)."""
+    requests (the fourth joins mid-way when a slot frees), one token bucket of 64 (padding, prompts chunked beside decodes)."""
     config, weights, codec = ours
-    engine = Engine(EngineConfig(config, max_reqs=3, max_batch=4, buckets=(4,), use_graphs=False), weights=weights)
+    engine = Engine(EngineConfig(config, max_reqs=3, max_batch=4, max_tokens=64, buckets=(64,), use_graphs=False),
+                    weights=weights)
     requests = [
         Request(id=str(i), prompt=codec.encode_chat([{"role": "user", "content": text}]),
                 max_new_tokens=NEW_TOKENS - 8 * (i == 1))  # one request finishes early, freeing its slot
@@ -77,7 +78,7 @@ def test_greedy_tokens_equal_transformers(ours, hf_tokens):
 def test_chunked_prefill_gives_the_same_tokens(ours, hf_tokens):
     """A prefill budget of 16 tokens splits every prompt into chunks over several iterations."""
     config, weights, codec = ours
-    engine = Engine(EngineConfig(config, max_reqs=4, max_batch=4, use_graphs=False, prefill_tokens=16), weights=weights)
+    engine = Engine(EngineConfig(config, max_reqs=4, max_batch=4, use_graphs=False, max_tokens=16), weights=weights)
     requests = [Request(id=str(i), prompt=codec.encode_chat([{"role": "user", "content": t}]), max_new_tokens=12)
                 for i, t in enumerate(PROMPTS)]
     result = ServingLoop(engine, "no-overlap").run(requests)

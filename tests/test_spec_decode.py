@@ -17,8 +17,11 @@ SPEC = SpecConfig(k=3, min_n=1, max_n=3)
 
 
 def serve(mode: str, requests, device: str, spec=None, max_batch: int = 4):
+    # One token bucket (every mode runs every iteration at the same shape), room for a full
+    # verify iteration beside prompt chunks.
+    tokens = 2 * max_batch * (spec.rows if spec else 1)
     engine = Engine(EngineConfig(MODEL, max_reqs=6, max_batch=max_batch, device=device, use_graphs=mode != "eager",
-                                 buckets=(max_batch,), spec=spec, debug=True))
+                                 max_tokens=tokens, buckets=(tokens,), spec=spec, debug=True))
     engine.capture()
     result = ServingLoop(engine, mode).run(requests)
     engine.relay.check()

@@ -185,19 +185,15 @@ def test_append_writes_exactly_the_counted_tokens(data):
     assert torch.equal(history.tokens[1:], want[1:]), (slots, positions, counts)
 
 
-def test_write_prompt():
+def test_write_tokens_writes_each_token_at_its_slot_and_position():
     history = TokenHistory(3, 8, "cpu")
-    history.write_prompt(2, torch.tensor([5, 6, 7], dtype=torch.int64))
-    assert history.tokens[2].tolist() == [5, 6, 7, 0, 0, 0, 0, 0]
-    assert history.tokens[[0, 1, 3]].count_nonzero().item() == 0
-    with pytest.raises(ValueError, match="slot"):
-        history.write_prompt(0, torch.tensor([1]))
-    with pytest.raises(ValueError, match="length"):
-        history.write_prompt(1, torch.zeros(9, dtype=torch.int64))
-    history.write_prompt(2, torch.tensor([8, 9]), start=3)  # a prompt's second chunk
+    # A flat batch: a prompt chunk for slot 2 at 0..2, a later chunk at 3..4, a padding token.
+    slots, positions = torch.tensor([2, 2, 2, 2, 2, 0]), torch.tensor([0, 1, 2, 3, 4, 5])
+    history.write_tokens(slots, positions, torch.tensor([5, 6, 7, 8, 9, 4]))
     assert history.tokens[2].tolist() == [5, 6, 7, 8, 9, 0, 0, 0]
-    with pytest.raises(ValueError, match="start \\+ length"):
-        history.write_prompt(1, torch.zeros(2, dtype=torch.int64), start=7)
+    assert history.tokens[[1, 3]].count_nonzero().item() == 0  # row 0 is scratch
+    with pytest.raises(ValueError, match="positions must be"):
+        history.write_tokens(slots, positions[:3], torch.zeros(6, dtype=torch.int64))
 
 
 # ---- a whole speculative step on a toy model --------------------------------------------------
@@ -313,7 +309,7 @@ def run_speculative(bucket: StaticBucket, prompts, params, total: int, rng: rand
     accept_len. Returns ({slot: tokens}, iterations)."""
     history, bs = bucket.step.history, bucket.bs
     for slot, prompt in enumerate(prompts, 1):
-        history.write_prompt(slot, torch.tensor(prompt))
+        history.write_tokens(torch.full((len(prompt),), slot), torch.arange(len(prompt)), torch.tensor(prompt))
     lengths = {slot: len(prompt) for slot, prompt in enumerate(prompts, 1)}
     iterations = 0
     while any(n < total for n in lengths.values()):

@@ -16,8 +16,8 @@ from graphrelay.capture.serving.loop import ServingLoop
 from graphrelay.capture.model.model import ModelConfig, ModelWeights
 from graphrelay.capture.iteration.sampling import SamplingParams
 from graphrelay.capture.iteration.ngram import SpecConfig
-from graphrelay.capture.iteration.surface import HostBatch, PrefillChunk
-from graphrelay.capture.parallel.tensor_parallel import _DECODER, _ENCODER, LaunchCommand, PrefillCommand, StopCommand, TensorParallel
+from graphrelay.capture.iteration.spans import decode_span, prefill_span
+from graphrelay.capture.parallel.tensor_parallel import _DECODER, _ENCODER, LaunchCommand, StopCommand, TensorParallel
 from graphrelay.capture.parallel.tp_launch import RankFailed, run_ranks
 from graphrelay.capture.parallel.tp_serve import serve_rank
 from graphrelay.capture.serving.workloads import SyntheticWorkload
@@ -63,14 +63,14 @@ def test_shards_add_up_to_the_whole_layer():
 
 
 def test_commands_round_trip():
-    chunk = PrefillChunk(slot=2, tokens=[5, 6, 7], start=0, last=True, params=SamplingParams(0.7, 5, 11, 0.9))
-    batch = HostBatch(slots=[1, 2], params=[SamplingParams(), SamplingParams(temperature=1.0, seed=3)])
-    for command in (PrefillCommand([chunk]), LaunchCommand(batch), StopCommand()):
+    spans = [decode_span(1, SamplingParams()), decode_span(3, SamplingParams(temperature=1.0, seed=3)),
+             prefill_span(2, SamplingParams(0.7, 5, 11, 0.9), [5, 6, 7], 0, True)]
+    for command in (LaunchCommand(spans), StopCommand()):
         assert _DECODER.decode(_ENCODER.encode(command)) == command
 
 
 def test_only_followers_follow():
-    engine = Engine(EngineConfig(MODEL, max_reqs=2, max_batch=2), tp=TensorParallel(0, 1, torch.device("cpu"), None, None))
+    engine = Engine(EngineConfig(MODEL, max_reqs=2, max_batch=2, max_tokens=8), tp=TensorParallel(0, 1, torch.device("cpu"), None, None))
     with pytest.raises(RuntimeError, match="ranks > 0"):
         engine.follow()
 
@@ -82,7 +82,7 @@ def _workload(**overrides):
 
 
 CASES = {
-    # prefill chunked to 16 tokens, 9 requests through 4 slots, two aborts (one running, one queued)
+    # 16 tokens an iteration (prompts chunked beside decodes), 9 requests through 4 slots, two aborts (one running, one queued)
     "greedy-overlap-aborts": (dict(), "overlap", {"r1": 6, "r8": 2}, None),
     "sampled-no-overlap": (dict(temperature=0.9, top_k=20), "no-overlap", None, None),
     "spec-ngram-eager": (dict(temperature=0.0), "eager", None, SpecConfig(k=3, min_n=1, max_n=2)),
@@ -93,7 +93,7 @@ CASES = {
 def test_tp2_serves_the_same_tokens_as_tp1(case):
     workload, mode, aborts, spec = CASES[case]
     requests = _workload(**workload)
-    config = EngineConfig(MODEL, max_reqs=4, max_batch=4, device="cpu", prefill_tokens=16, spec=spec, debug=True)
+    config = EngineConfig(MODEL, max_reqs=4, max_batch=4, device="cpu", max_tokens=16, spec=spec, debug=True)
     engine = Engine(config)
     engine.capture()
     single = ServingLoop(engine, mode).run(requests, aborts=aborts)
@@ -127,7 +127,7 @@ def test_a_failing_rank_ends_the_job_with_its_error():
 def test_a_failing_loop_on_rank_0_releases_the_followers():
     """A request the engine cannot hold fails rank 0's loop after capture; the followers are
     released (not left in `follow`) and the error names the request."""
-    config = EngineConfig(MODEL, max_reqs=2, max_batch=2, device="cpu")
+    config = EngineConfig(MODEL, max_reqs=2, max_batch=2, device="cpu", max_tokens=16)
     requests = _workload(num_requests=2, prompt_len=(MODEL.max_seq_len, MODEL.max_seq_len), output_len=(4, 4))
     with pytest.raises(RankFailed, match=r"rank 0: ValueError: request .* exceeds the model's max_seq_len") as info:
         run_ranks(2, serve_rank, config, requests, device_type="cpu")

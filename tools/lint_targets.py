@@ -20,7 +20,9 @@ if not torch.cuda.is_available():
 from graphrelay.capture.iteration.engine import Engine, EngineConfig  # noqa: E402
 from graphrelay.capture.model.model import ModelConfig  # noqa: E402
 from graphrelay.capture.iteration.ngram import SpecConfig  # noqa: E402
-from graphrelay.capture.iteration.surface import DecodeInputs  # noqa: E402
+from graphrelay.capture.iteration.inputs import IterationInputs  # noqa: E402
+from graphrelay.capture.iteration.sampling import SamplingParams  # noqa: E402
+from graphrelay.capture.iteration.spans import decode_span, prefill_span  # noqa: E402
 from graphrelay import FieldSpec, HostMirror, Relay, RelayConfig, RelayPayload  # noqa: E402
 
 TARGETS = (
@@ -89,26 +91,28 @@ def mirror_write():
 
 def decode_step():
     """The serving loop's per-iteration device work: the step its graphs capture."""
-    engine = Engine(EngineConfig(ModelConfig(), max_reqs=8, max_batch=4, use_graphs=False))
-    return _through_surface(engine.inputs, engine.step)
+    engine = Engine(EngineConfig(ModelConfig(), max_reqs=8, max_batch=4, use_graphs=False, max_tokens=16))
+    return _through_inputs(engine.inputs, engine.step, engine.config.tokens_per_decode)
 
 
 def spec_decode_step():
     """The speculative iteration: drafting, verify, acceptance, relay and mirror, as captured."""
-    engine = Engine(EngineConfig(ModelConfig(), max_reqs=8, max_batch=4, use_graphs=False, spec=SpecConfig(k=3)))
-    return _through_surface(engine.inputs, engine.step)
+    engine = Engine(EngineConfig(ModelConfig(), max_reqs=8, max_batch=4, use_graphs=False, spec=SpecConfig(k=3),
+                                 max_tokens=24))
+    return _through_inputs(engine.inputs, engine.step, engine.config.tokens_per_decode)
 
 
-def _through_surface(inputs: DecodeInputs, step):
-    """(run, example inputs) that write a padded bucket of 4 into the surface, then step."""
+def _through_inputs(inputs: IterationInputs, step, decode_tokens: int):
+    """(run, example inputs) that lay out a mixed iteration (two decode spans, a prompt chunk)
+    in its token bucket's input buffers, then step: the token ids are the example input."""
+    bucket = inputs.max_tokens
+    spans = [decode_span(3, SamplingParams()), decode_span(5, SamplingParams(temperature=0.7, top_k=5, seed=12)),
+             prefill_span(1, SamplingParams(top_p=0.9, temperature=1.0, seed=13), [7, 8, 9], 0, True)]
+    inputs.load(spans, bucket, decode_tokens)
 
-    def run(slots, temperature, top_k, seeds, top_p):
-        # The surface's device buffers are what the graph reads; write them, then step.
-        view = inputs.narrow(slots.shape[0])
-        for dst, src in ((view.slots, slots), (view.temperature, temperature), (view.top_k, top_k),
-                         (view.seeds, seeds), (view.top_p, top_p)):
-            dst.copy_(src)
-        step(slots.shape[0])
+    def run(ids):
+        # The device buffers are what the graph reads; write the ids, then step.
+        inputs.buffers.ids[: ids.shape[0]].copy_(ids)
+        step(bucket)
 
-    return run, (_SLOTS.clone(), torch.tensor([0.0, 0.0, 0.7, 1.0]), torch.tensor([0, 0, 5, 0], dtype=torch.int32),
-                 torch.tensor([11, 0, 12, 13]), torch.tensor([1.0, 1.0, 0.9, 0.8]))
+    return run, (inputs.buffers.ids[:bucket].clone(),)

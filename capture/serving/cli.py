@@ -270,15 +270,18 @@ def format_summary(result: LoopResult, capture_s: float, graph_bytes: int) -> st
         ("mode", f"{s.mode} on {s.device} ({'CUDA graphs' if s.graphs else 'eager'})"),
         ("requests", f"{s.requests} ({', '.join(f'{k} {v}' for k, v in sorted(finished.items()))})"),
         ("tokens", f"{s.tokens} in {s.wall_s:.2f} s = {s.tokens_per_s:,.0f} tokens/s"),
-        # The mean carries the turns that prefill many requests at once; the median is the
+        # The mean carries the iterations that prefill many prompt tokens; the median is the
         # steady state.
         ("iterations", f"{s.iterations}: median {s.iter_ms_median:.3f} ms, p99 {s.iter_ms_p99:.3f} ms, "
-                       f"mean {s.iter_ms_mean:.3f} ms (prefill turns included)"),
+                       f"mean {s.iter_ms_mean:.3f} ms (prompt chunks ride in the same iterations)"),
         ("CPU scheduling", f"mean {s.cpu_sched_us_per_iter:.1f} us, median {s.cpu_sched_us_median:.1f} us per iteration"),
         ("GPU step", "n/a (CPU)" if s.gpu_step_us_per_iter is None
          else f"mean {s.gpu_step_us_per_iter:.1f} us, median {s.gpu_step_us_median:.1f} us per iteration "
-              f"(with prefills: {s.gpu_busy_us_per_iter:.1f} us)"),
+              f"(from each turn's start: {s.gpu_busy_us_per_iter:.1f} us)"),
         ("GPU idle", "n/a (CPU)" if s.gpu_idle_fraction is None else f"{100 * s.gpu_idle_fraction:.1f}% of the time between iterations"),
+        ("launch-bound", "n/a (CPU)" if s.launch_bound_fraction is None else
+         f"{100 * s.launch_bound_fraction:.1f}% of iterations (GPU time <= host launch time "
+         f"{s.host_launch_us_median:.0f} us median: the GPU waited for Python)"),
         ("tokens/step", f"{s.tokens_per_request_step:.2f} per request per decode iteration"
                         f"{' (mean accepted length)' if s.tokens_per_request_step > 1 else ''}"),
         ("host syncs", f"{s.host_syncs_per_iter:.3f} per iteration (torch ops that synchronize, from its sync-debug mode)"),

@@ -1,13 +1,16 @@
 """What a serving run measures: iteration times on the host, GPU busy/idle time between
 iterations from timing events, CPU scheduling time, and blocking waits.
 
-GPU timing uses a small pool of cuda-python timing events, one set per in-flight decode
-iteration: `turn` when the turn begins (before its prefill iteration, so prefill GPU time
-counts as busy), `launch` just before the decode iteration's inputs are copied in, `end`
-right after its launch. The decode step's GPU time is launch -> end; the GPU sat idle from
-one decode iteration's `end` to the next turn's `turn` mark, when nothing was queued. Sets
-are read back with their iteration, so timing never adds a wait of its own. Prefill
-iterations share the numbering but carry no set of their own.
+GPU timing uses a small pool of cuda-python timing events, one set per in-flight iteration:
+`turn` when the turn begins, `launch` just before the iteration's inputs are copied in, `end`
+right after its launch. The iteration's GPU time is launch -> end; the GPU sat idle from one
+iteration's `end` to the next turn's `turn` mark, when nothing was queued. Sets are read back
+with their iteration, so timing never adds a wait of its own.
+
+Honest about who sets the pace: the host time from `launch` to `end` is measured too. When an
+iteration's GPU time is no longer than the host time spent launching it, the GPU was waiting
+for the host inside that iteration (eager kernels launched one by one from Python), which idle
+time between iterations cannot show: `launch_bound_fraction` counts those iterations.
 """
 
 from __future__ import annotations
@@ -38,10 +41,12 @@ class LoopStats(msgspec.Struct):
     iter_ms_p99: float
     cpu_sched_us_per_iter: float  # host time per launching turn not spent waiting for the device
     cpu_sched_us_median: float
-    gpu_step_us_per_iter: Optional[float]  # GPU time of one decode iteration (graph or eager), GPU only
+    gpu_step_us_per_iter: Optional[float]  # GPU time of one iteration (graph or eager), GPU only
     gpu_step_us_median: Optional[float]
-    gpu_busy_us_per_iter: Optional[float]  # GPU time per iteration including that turn's prefills
+    gpu_busy_us_per_iter: Optional[float]  # GPU time per iteration from its turn's start
     gpu_idle_fraction: Optional[float]  # GPU idle between iterations / total span, GPU only
+    host_launch_us_median: float  # host time to stage and launch one iteration
+    launch_bound_fraction: Optional[float]  # iterations whose GPU time <= their host launch time
     host_syncs: int  # synchronizing torch ops over the run (counted by torch's sync debug mode)
     host_syncs_per_iter: float
     event_waits_per_iter: float  # blocking waits for an iteration's results
@@ -60,7 +65,10 @@ class IterationClock:
             self._sets = [[Event(timing=True, device=stream.device) for _ in range(3)] for _ in range(_SETS)]
         self._launch_times: list[float] = []
         self._busy_ms: list[float] = []  # turn mark -> end: prefills + the iteration
-        self._step_ms: list[float] = []  # launch -> end: the decode iteration alone
+        self._step_ms: list[float] = []  # launch -> end on the GPU: the iteration alone
+        self._host_launch_s: dict[int, float] = {}  # iteration in flight -> host time to launch it
+        self._launch_s: list[float] = []  # host launch times of iterations read back
+        self._launch_bound = 0  # iterations read back whose GPU time <= host launch time
         self._gap_ms: list[float] = []
         self._sched_s: list[float] = []
         self._wait_s = 0.0
@@ -89,13 +97,15 @@ class IterationClock:
             self._sched_s.append(time.perf_counter() - self._turn_t - self._turn_wait)
 
     def launch_start(self) -> None:
-        # An iteration spans its whole turn (prefills included), so its interval is measured
-        # turn start to turn start, like its CPU time and its GPU busy time.
+        # An iteration's interval is measured turn start to turn start, like its CPU time and
+        # its GPU busy time.
         self._launch_times.append(self._turn_t)
+        self._launch_t = time.perf_counter()
         if self.on_gpu:
             self._mark(self._launches % _SETS, _LAUNCH)
 
     def launch_end(self, iteration: int) -> None:
+        self._host_launch_s[iteration] = time.perf_counter() - self._launch_t
         self._sets_of[iteration] = self._launches % _SETS
         if self.on_gpu:
             self._mark(self._sets_of[iteration], _END)
@@ -116,13 +126,18 @@ class IterationClock:
             self._waits += 1
 
     def iteration_done(self, iteration: int) -> None:
-        """Read back a decode iteration's timing (prefill iterations have none)."""
+        """Read back an iteration's timing."""
         which = self._sets_of.pop(iteration, None)
+        host_s = self._host_launch_s.pop(iteration, None)
+        if host_s is not None:
+            self._launch_s.append(host_s)
         if which is None or not self.on_gpu:
             return
         marks = self._sets[which]
         marks[_END].synchronize()  # recorded just after the mirror's event, which fired: no real wait
-        self._step_ms.append(marks[_LAUNCH].elapsed_ms(marks[_END]))
+        step_ms = marks[_LAUNCH].elapsed_ms(marks[_END])
+        self._step_ms.append(step_ms)
+        self._launch_bound += host_s is not None and step_ms <= host_s * 1e3
         self._busy_ms.append(marks[_TURN].elapsed_ms(marks[_END]))
         if self._last_done is not None and self._last_done == (which - 1) % _SETS:
             previous_end = self._sets[self._last_done][_END]
@@ -163,6 +178,8 @@ class IterationClock:
             gpu_step_us_median=_median(step_us) if step_us else None,
             gpu_busy_us_per_iter=busy / len(self._busy_ms) * 1e3 if self._busy_ms else None,
             gpu_idle_fraction=(sum(self._gap_ms) / (sum(self._gap_ms) + busy)) if self._busy_ms else None,
+            host_launch_us_median=_median(self._launch_s) * 1e6,
+            launch_bound_fraction=self._launch_bound / len(self._step_ms) if self._step_ms else None,
             host_syncs=syncs,
             host_syncs_per_iter=syncs / iters,
             event_waits_per_iter=self._waits / iters,

@@ -1,5 +1,5 @@
 """The engine's one stream: created with cuda-python, handed to torch once, shared by every
-engine on the device, and required for queueing work (outside it `prefill` / `launch` refuse,
+engine on the device, and required for queueing work (outside it `launch` refuses,
 changing nothing)."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ import torch
 from graphrelay.capture.iteration.engine import Engine, EngineConfig
 from graphrelay.capture.model.model import ModelConfig
 from graphrelay.capture.iteration.sampling import SamplingParams
-from graphrelay.capture.iteration.surface import HostBatch, PrefillChunk
+from graphrelay.capture.iteration.spans import decode_span, prefill_span
 from graphrelay.runtime import Stream
 
 pytestmark = pytest.mark.gpu
 
 
 def _engine() -> Engine:
-    engine = Engine(EngineConfig(ModelConfig.preset("tiny"), max_reqs=2, max_batch=2, device="cuda", buckets=(2,)))
+    engine = Engine(EngineConfig(ModelConfig.preset("tiny"), max_reqs=2, max_batch=2, device="cuda", max_tokens=8))
     engine.capture()
     return engine
 
@@ -34,15 +34,15 @@ def test_one_cuda_python_stream_handed_to_torch():
 
 def test_work_outside_the_engine_stream_is_refused_without_state_change():
     engine = _engine()
-    chunk = PrefillChunk(slot=1, tokens=[3, 4, 5], start=0, last=True, params=SamplingParams())
+    prompt = [prefill_span(1, SamplingParams(), [3, 4, 5], 0, True)]
     generation = engine.relay.host_generation.clone()
     with pytest.raises(RuntimeError, match="engine.activate"):
-        engine.prefill([chunk])
+        engine.launch(prompt)
     with pytest.raises(RuntimeError, match="engine.activate"):
-        engine.launch(HostBatch(slots=[1], params=[SamplingParams()]))
+        engine.launch([decode_span(1, SamplingParams())])
     assert engine.iterations_launched == 0 and torch.equal(engine.relay.host_generation, generation)
     with engine.activate():
-        assert engine.prefill([chunk]) == 0
-        assert engine.launch(HostBatch(slots=[1], params=[SamplingParams()])) == 1
+        assert engine.launch(prompt) == 0
+        assert engine.launch([decode_span(1, SamplingParams())]) == 1
         read = engine.read(1, block=True)
     assert read is not None and engine.iterations_launched == 2

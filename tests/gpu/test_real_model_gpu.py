@@ -51,7 +51,7 @@ def test_bf16_graph_tokens_match_transformers():
     torch.cuda.empty_cache()
 
     config, weights = read_gguf(path, max_seq_len=256, dtype="bfloat16")
-    engine = Engine(EngineConfig(config, max_reqs=3, max_batch=4, buckets=(1, 2, 4), device="cuda"), weights=weights)
+    engine = Engine(EngineConfig(config, max_reqs=3, max_batch=4, max_tokens=256, device="cuda"), weights=weights)
     engine.capture()
     requests = [Request(id=str(i), prompt=p, max_new_tokens=NEW_TOKENS) for i, p in enumerate(prompts)]
     result = ServingLoop(engine, "overlap").run(requests)

@@ -1,6 +1,6 @@
-"""The whole decode step captured per bucket (issue 4 item 5, issue 6 item 3): relay resolve ->
-tiny Llama decode -> sampling -> relay stash + publish -> host-mirror write, one CUDA graph per
-bucket, against a twin stack built identically that runs the same padded step eagerly.
+"""The whole unified iteration captured per token bucket: relay resolve -> tiny Llama forward over
+decode spans and prompt chunks -> sampling -> relay stash + publish -> host-mirror write, one CUDA
+graph per bucket, against a twin stack built identically that runs the same padded step eagerly.
 
 Every comparison is bit for bit, over the relay rows, the KV cache, the step's static outputs
 and what the host mirror's consumer reads; a failure names the bucket or step, the tensor, and
@@ -10,14 +10,13 @@ the first slot or batch row that differs.
 from __future__ import annotations
 
 import random
-import warnings
 
 import pytest
 import torch
 
 from graphrelay.capture.iteration.buckets import default_buckets
 from graphrelay.capture.iteration.graph_runner import GraphRunner
-from graphrelay.capture.iteration.surface import HostBatch
+from graphrelay.capture.iteration.spans import decode_span
 from capture_cases import (
     GREEDY,
     SAMPLED,
@@ -36,8 +35,8 @@ from capture_cases import (
 pytestmark = pytest.mark.gpu
 
 DEVICE = "cuda"
-MAX_REQS, MAX_BATCH = 24, 16
-BUCKETS = default_buckets(MAX_BATCH)  # [1, 2, 3, 4, 6, 8, 12, 16]
+MAX_REQS, MAX_BATCH, MAX_TOKENS = 24, 16, 256  # 16 decodes + 16 joining 12-token prompts fit
+BUCKETS = default_buckets(MAX_TOKENS)  # 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, ..., 256
 STEPS = 64
 LAG = 2  # read iteration N - 2 after launching N, like an overlap loop (mirror depth 3)
 REPLAYS = 1000
@@ -46,8 +45,9 @@ SLEEP_CYCLES = 50_000_000  # ~25 ms of GPU time: the host polls long before the 
 
 def build_pair(**kwargs) -> tuple[Driver, Driver]:
     """(graph, eager) drivers over stacks built identically; only use_graphs differs."""
-    return (Driver(build_stack(DEVICE, max_reqs=MAX_REQS, max_batch=MAX_BATCH, use_graphs=True, **kwargs)),
-            Driver(build_stack(DEVICE, max_reqs=MAX_REQS, max_batch=MAX_BATCH, use_graphs=False, **kwargs)))
+    sizes = dict(max_reqs=MAX_REQS, max_batch=MAX_BATCH, max_tokens=MAX_TOKENS)
+    return (Driver(build_stack(DEVICE, use_graphs=True, **sizes, **kwargs)),
+            Driver(build_stack(DEVICE, use_graphs=False, **sizes, **kwargs)))
 
 
 @pytest.fixture
@@ -59,13 +59,16 @@ def twins():
 
 
 def join_all(drivers, slots, seed: int) -> None:
-    """The same requests (random prompts, greedy and seeded-sampling params) in every driver."""
+    """The same requests (random prompts, greedy and seeded-sampling params) in every driver,
+    prefilled by iterations of their own."""
     rng = random.Random(seed)
     for slot in slots:
         prompt = [rng.randrange(512) for _ in range(rng.randint(1, 10))]
         params = rng.choice((GREEDY,) + SAMPLED)
         for driver in drivers:
             driver.join(slot, prompt, params)
+    for driver in drivers:
+        driver.launch([])
 
 
 def launch_both(graph: Driver, eager: Driver, slots, context: str) -> int:
@@ -115,29 +118,40 @@ def test_node_count_is_read_from_the_captured_graph(twins):
 
 
 def test_every_bucket_replay_equals_eager(twins):
-    """For every bucket, full (no padding) and with the most padding that bucket sees, twice in
-    a row (the second step consumes what the first stashed): the replay leaves relay rows, KV
+    """For every token bucket, full and with padding, twice in a row (the second iteration
+    consumes what the first stashed): decode spans of running requests plus, above 16 tokens,
+    a prompt of a re-joining request filling the bucket. The replay leaves relay rows, KV
     cache, step outputs and the mirror read bit-identical to the eager step on the same padded
     inputs. If this failed, turning CUDA graphs on would change what an engine generates."""
     graph, eager = twins
-    join_all(twins, range(1, MAX_REQS + 1), seed=1)
+    decoding = list(range(1, MAX_BATCH + 1))
+    join_all(twins, decoding, seed=1)
     rng = random.Random(2)
     previous = 0
     for bucket in BUCKETS:
-        for n in sorted({bucket, previous + 1}, reverse=True):
+        for tokens in sorted({bucket, previous + 1}, reverse=True):
             for repeat in range(2):
-                slots = rng.sample(range(1, MAX_REQS + 1), n)
-                context = f"bucket {bucket}, {n} requests (repeat {repeat}), slots {slots}"
+                n = min(tokens, MAX_BATCH)
+                slots = rng.sample(decoding, n)
+                if tokens > n:  # a fresh request's prompt fills the rest of the bucket
+                    prompt = [rng.randrange(512) for _ in range(tokens - n)]
+                    for driver in twins:
+                        driver.join(MAX_REQS - repeat, prompt)
+                context = f"bucket {bucket}, {tokens} tokens (repeat {repeat}), decode slots {slots}"
                 assert launch_both(graph, eager, slots, context) == bucket, context
                 assert_same_state(step_state(graph.stack, bucket), step_state(eager.stack, bucket), context)
                 iteration = graph.iteration - 1
                 assert_same_read(graph.read(iteration), eager.read(iteration), context)
+                for slot in slots:  # keep the decoding requests far from max_seq_len
+                    for driver in twins:
+                        driver.stack.relay.publish(torch.tensor([slot], device=DEVICE),
+                                                   torch.tensor([12], dtype=torch.int32, device=DEVICE))
         previous = bucket
 
 
 def test_changing_batches_64_steps_graph_equals_eager(twins):
-    """64 steps whose batch composition changes every step (requests join via admit + prefill
-    and leave, freed slots are reused, the batch is a shuffled subset, padding changes, one
+    """64 steps whose batch composition changes every step (requests join with their prompt in
+    the same iteration as the running decodes and leave, freed slots are reused, the batch is a shuffled subset, padding changes, one
     step is empty): graph and eager agree bit for bit after every step, and the mirror reads,
     polled at lag 2 as an overlap loop does, give the same tokens, seq lens, generations and
     stale flags. Static buffer addresses never change. If this failed, a serving engine with
@@ -163,26 +177,27 @@ def test_changing_batches_64_steps_graph_equals_eager(twins):
 
 
 def test_padding_does_not_change_real_results():
-    """The same requests through stacks that pad differently: one with a bucket per batch size
-    (never any padding) and one with a single bucket of 16 (up to 15 padding rows), both
-    captured. Tokens, seq lens and generations agree every step, and so do the relay rows of
-    every request. If this failed, a request's output would depend on how many others share
+    """The same requests through stacks that pad differently: one with the default token
+    buckets (little padding) and one with a single bucket of 256 (up to 255 padding tokens),
+    both captured. Tokens, seq lens and generations agree every step, and so do the relay rows
+    of every request. If this failed, a request's output would depend on how many others share
     its iteration, i.e. on load."""
-    exact = Driver(build_stack(DEVICE, max_reqs=MAX_REQS, max_batch=MAX_BATCH, buckets=list(range(1, MAX_BATCH + 1))))
-    padded = Driver(build_stack(DEVICE, max_reqs=MAX_REQS, max_batch=MAX_BATCH, buckets=[MAX_BATCH]))
+    sizes = dict(max_reqs=MAX_REQS, max_batch=MAX_BATCH, max_tokens=MAX_TOKENS)
+    exact = Driver(build_stack(DEVICE, **sizes))
+    padded = Driver(build_stack(DEVICE, buckets=[MAX_TOKENS], **sizes))
     try:
         for t, plan in enumerate(composition_schedule(24, MAX_REQS, MAX_BATCH, seed=4)):
             sizes = [d.apply(plan) for d in (exact, padded)]
-            assert sizes == [max(len(plan.batch), 1), MAX_BATCH]
+            assert sizes[1] == MAX_TOKENS and sizes[0] <= MAX_TOKENS
             a, b = exact.read(t), padded.read(t)
-            n = len(plan.batch)
+            n = len(a)
             # Different bucket sizes may pick different GEMM kernels, so logits agree closely,
             # not bitwise; shown only to explain a token mismatch (a near-tie) if one occurs.
             gap = (exact.stack.step.logits[:n] - padded.stack.step.logits[:n]).abs().max().item() if n else 0.0
             for name in ("slots", "tokens", "seq_lens", "generation"):
                 x, y = getattr(a, name), getattr(b, name)
-                assert torch.equal(x, y), (f"step {t}, slots {plan.batch}: {name} without padding {x.tolist()} "
-                                           f"vs padded to {MAX_BATCH}: {y.tolist()} (max logit difference {gap:.2e})")
+                assert torch.equal(x, y), (f"step {t}, slots {plan.batch}: {name} with default buckets {x.tolist()} "
+                                           f"vs padded to {MAX_TOKENS}: {y.tolist()} (max logit difference {gap:.2e})")
         for name in ("tokens", "seq_lens"):
             x, y = exact.stack.relay.buffers[name], padded.stack.relay.buffers[name]
             assert torch.equal(x, y), f"relay.{name} rows differ at slots {(x != y).nonzero().flatten().tolist()}"
@@ -192,7 +207,7 @@ def test_padding_does_not_change_real_results():
 
 
 def test_memory_flat_over_1000_replays(twins):
-    """1,000 real decode replays (100 per bucket pass, cycling the buckets) allocate nothing:
+    """1,000 real decode replays (100 per bucket pass, cycling the decode buckets) allocate nothing:
     allocated and reserved device memory are the same before and after every replay, and no
     static buffer moves. If this failed, a long-running engine would grow memory every
     iteration until it ran out, or its graphs would read freed buffers."""
@@ -201,13 +216,14 @@ def test_memory_flat_over_1000_replays(twins):
     join_all([graph], range(1, MAX_REQS + 1), seed=3)
     rng = random.Random(5)
     with gc_paused():
+        decode_buckets = [b for b in BUCKETS if b <= MAX_BATCH]
         for chunk in range(REPLAYS // 100):
-            bucket = BUCKETS[chunk % len(BUCKETS)]
+            bucket = decode_buckets[chunk % len(decode_buckets)]
             slots = rng.sample(range(1, MAX_REQS + 1), bucket)
             # Rewind the requests to seq len 4 so 100 more tokens stay inside max_seq_len (256).
             index = torch.tensor(slots, device=DEVICE)
             relay.publish(index, torch.full((bucket,), 4, dtype=torch.int32, device=DEVICE))
-            stack.inputs.load(HostBatch(slots, [graph.params[s] for s in slots]), bucket)
+            stack.inputs.load([decode_span(s, graph.params[s]) for s in slots], bucket, 1)
             torch.cuda.synchronize()
             allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
             for replay in range(100):
@@ -251,40 +267,19 @@ def test_mirror_consumer_never_sees_unfinished_iteration(twins):
 
 
 def test_staging_reuse_waits_for_pending_copies(twins):
-    """Loads back to back while the GPU is held back: DecodeInputs has two pinned staging rows,
-    so the third load must wait for the first copy before rewriting its row. Each batch reaches
-    the device intact (as the kernel right after its load sees it). If this failed, a fast
-    scheduler would replay a graph over the NEXT iteration's slots and sampling params."""
+    """Loads back to back while the GPU is held back: IterationInputs has two pinned staging
+    copies, so the third load must wait for the first copy before rewriting it. Each iteration
+    reaches the device intact (as the kernel right after its load sees it). If this failed, a
+    fast scheduler would replay a graph over the NEXT iteration's slots and sampling params."""
     inputs = twins[0].stack.inputs
     batches = [[3 + i, 20 - i, 7 + i][: 1 + i % 3] for i in range(6)]
-    seen = torch.zeros((len(batches), MAX_BATCH), dtype=torch.int64, device=DEVICE)
+    seen = torch.zeros((len(batches), 5), dtype=torch.int64, device=DEVICE)
     waits = inputs.staging_waits
     torch.cuda._sleep(SLEEP_CYCLES)
     for i, slots in enumerate(batches):
-        inputs.load(HostBatch(slots, [GREEDY] * len(slots)), 4)
-        seen[i].copy_(inputs.buffers.slots)  # what a replay launched now would read
+        inputs.load([decode_span(s, GREEDY) for s in slots], 4, 1)
+        seen[i].copy_(inputs.buffers.span_slot[:5])  # what a replay launched now would read
     torch.cuda.synchronize()
     for i, slots in enumerate(batches):
-        assert seen[i, :4].tolist() == slots + [0] * (4 - len(slots)), f"load {i} of {slots} was overwritten"
+        assert seen[i].tolist() == slots + [0] * (5 - len(slots)), f"load {i} of {slots} was overwritten"
     assert inputs.staging_waits > waits, "the loads never had to wait: the race was not exercised"
-
-
-def test_oversized_batch_falls_back_to_eager_correctly():
-    """With buckets only up to 8, a batch of 12 runs eagerly (one warning) and matches a
-    fully eager twin; the next batch of 6 replays its graph again. If this failed, a burst
-    above the captured buckets would corrupt state shared with the graphs."""
-    graph, eager = build_pair(buckets=[1, 2, 4, 8])
-    try:
-        slots = list(range(1, 13))
-        join_all((graph, eager), slots, seed=7)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # both runners warn; the CPU tests check the warning
-            assert launch_both(graph, eager, slots, "batch of 12") == 12
-        assert_same_state(step_state(graph.stack, 12), step_state(eager.stack, 12), "oversized batch of 12")
-        assert launch_both(graph, eager, slots[:6], "batch of 6") == 8
-        assert_same_state(step_state(graph.stack, 8), step_state(eager.stack, 8), "batch of 6 after the fallback")
-        for it in range(2):
-            assert_same_read(graph.read(it), eager.read(it), f"iteration {it}")
-    finally:
-        close_stack(graph.stack)
-        close_stack(eager.stack)

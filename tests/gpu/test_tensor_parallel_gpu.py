@@ -23,12 +23,12 @@ pytestmark = [
 # The small preset's shape in float32, shortened: exact enough that TP=2 and TP=1 pick the same
 # greedy tokens although the all-reduce sums the partial projections in another order.
 MODEL = msgspec.structs.replace(ModelConfig.preset("small"), dtype="float32", num_layers=4, max_seq_len=256)
-BUCKET = 8  # one bucket: graph and eager runs see identical shapes, so they agree bit for bit
+BUCKET = 64  # one token bucket: graph and eager runs see identical shapes, so they agree bit for bit
 
 
 def _config(use_graphs: bool) -> EngineConfig:
-    return EngineConfig(MODEL, max_reqs=8, max_batch=BUCKET, device="cuda", use_graphs=use_graphs,
-                        buckets=(BUCKET,), prefill_tokens=256, debug=True)
+    return EngineConfig(MODEL, max_reqs=8, max_batch=8, device="cuda", use_graphs=use_graphs,
+                        max_tokens=BUCKET, buckets=(BUCKET,), debug=True)
 
 
 def _requests(temperature: float = 0.0):

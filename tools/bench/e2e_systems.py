@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 import torch
 
-from graphrelay.capture.iteration.engine import Engine, EngineConfig
+from graphrelay.capture.iteration.engine import DEFAULT_MAX_TOKENS, Engine, EngineConfig
 from graphrelay.capture.serving.loop import ServingLoop
 from graphrelay.capture.model.model import ModelConfig
 from graphrelay.capture.serving.workloads import Request
@@ -33,7 +33,6 @@ from graphrelay.capture.serving.workloads import Request
 # The HBM read bandwidth a streaming kernel reaches on an H200 (of 4.8 TB/s peak): the floor
 # assumes the decode step does nothing but read weights and KV cache at this rate.
 HBM_BYTES_PER_S = 4.2e12
-MAX_PREFILL_TOKENS = 65536  # one prefill iteration's token budget at most (activation memory)
 TOP_K_WIDTH = 64  # `graphrelay serve`'s --max-top-k default; greedy rows need only the argmax
 WARM_OUTPUT_LEN = 8  # tokens per request in graphrelay's untimed run: enough decode iterations to warm every path
 
@@ -85,10 +84,10 @@ def release(device: torch.device) -> None:
 def run_graphrelay(model: ModelConfig, batch_prompts: list[list[int]], output_len: int, device: torch.device) -> dict[str, Any]:
     batch, prompt_len = len(batch_prompts), len(batch_prompts[0])
     config = msgspec.structs.replace(model, max_seq_len=prompt_len + output_len)
-    # All B prompts prefill in one iteration when the budget allows, as HF prefills them.
-    budget = max(2048, min(batch * prompt_len, MAX_PREFILL_TOKENS))
+    # The engine's default token budget and buckets: prompts are chunked into iterations of at
+    # most DEFAULT_MAX_TOKENS, as a user's engine would run them.
     engine = Engine(EngineConfig(config, max_reqs=batch, max_batch=batch, device=str(device), use_graphs=device.type == "cuda",
-                                 buckets=(batch,), max_top_k=TOP_K_WIDTH, prefill_tokens=budget))
+                                 max_top_k=TOP_K_WIDTH, max_tokens=max(DEFAULT_MAX_TOKENS, batch)))
     capture = engine.capture()
 
     def requests(tag: str, n: int) -> list[Request]:
@@ -102,7 +101,7 @@ def run_graphrelay(model: ModelConfig, batch_prompts: list[list[int]], output_le
         raise RuntimeError(f"graphrelay: {len(short)} requests (e.g. {short[0]}) did not make {output_len} tokens")
     stats = result.stats
     iter_us = stats.iter_ms_median * 1e3
-    step_us, note = stats.gpu_step_us_median, f"graph bucket {batch}, overlap loop, {stats.iterations} iterations"
+    step_us, note = stats.gpu_step_us_median, f"graph bucket {batch} tokens, overlap loop, {stats.iterations} iterations"
     if step_us is None:  # no GPU events on a CPU run: the host interval is the only clock
         step_us, note = iter_us, f"eager on {device.type}: step = host iteration interval, {stats.iterations} iterations"
     ttfts = [o.ttft_ms for o in result.outputs.values()]

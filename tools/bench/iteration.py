@@ -1,0 +1,166 @@
+"""`graphrelay bench iteration`: what one unified iteration costs, by shape, on the engine a user
+gets by default (token budget, buckets), and the time to first token of one prompt on an idle
+engine.
+
+Shapes: prompts alone (1 x 128, 1 x 2048, 64 x 128 tokens: the last is cut into iterations of
+the token budget, and its figure is their total), decode spans alone (1, 64, 256 requests), and
+a mixed iteration (256 decodes beside a 512-token prompt chunk). Each is launched through
+`Engine.launch` (staging, one copy, the graph replay of its bucket) and timed with CUDA events
+on the engine's stream, GPU time per shape and the host time of the launch call beside it,
+the median of `--repeats`. TTFT: host time from `launch` of a 128-token prompt to its first
+token read from the host mirror, the engine otherwise idle.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from graphrelay.capture.iteration.engine import Engine, EngineConfig
+from graphrelay.capture.iteration.sampling import SamplingParams
+from graphrelay.capture.iteration.spans import Span, decode_span, prefill_span
+from graphrelay.capture.model.model import ModelConfig
+from graphrelay.runtime import Event
+from graphrelay.tools.bench import options, results
+
+COMMAND = "graphrelay bench iteration"
+GREEDY = SamplingParams()
+PROMPTS = {"prefill 1x128": (1, 128), "prefill 1x2048": (1, 2048), "prefill 64x128": (64, 128)}
+DECODES = (1, 64, 256)
+TARGETS_MS = {"prefill 1x128": 1.5, "prefill 1x2048": 4.0, "prefill 64x128": 8.0}
+TTFT_TARGET_MS = 3.0
+
+
+def main(argv: list[str]) -> int:
+    parser = options.OneLineParser(prog=COMMAND, description=__doc__.split("\n\n")[0])
+    options.add_output_options(parser, "tiny model and shapes (works on CPU): checks the code paths only")
+    parser.add_argument("--model", default="smollm2-135m", help="preset, random weights (default smollm2-135m)")
+    parser.add_argument("--repeats", type=options.positive_int, default=20, help="launches per shape (median)")
+    try:
+        args = parser.parse_args(argv)
+        device = _device(args.smoke)
+        model = ModelConfig.preset("tiny" if args.smoke else args.model)
+    except options.UsageError as exc:
+        print(f"{COMMAND}: error: {exc}", file=sys.stderr)
+        return options.EXIT_USAGE
+    scale = 16 if args.smoke else 1  # smoke: every shape 16x smaller
+    engine = Engine(EngineConfig(model, max_reqs=256 // scale, max_batch=256 // scale, device=str(device),
+                                 use_graphs=device.type == "cuda"))
+    capture = engine.capture()
+    rows = measure(engine, scale, 2 if args.smoke else args.repeats)
+    ttft = time_to_first_token(engine, 128 // scale, 2 if args.smoke else args.repeats)
+    targets = [results.Target(f"{name} GPU time", limit, "ms", True, _row(rows, name)["gpu_ms"])
+               for name, limit in TARGETS_MS.items() if not args.smoke]
+    targets.append(results.Target("TTFT of one 128-token prompt, idle engine", TTFT_TARGET_MS, "ms", True, ttft))
+    payload = {"environment": results.environment(device, [COMMAND, *argv]), "model": "tiny" if args.smoke else args.model, "max_tokens": engine.max_tokens, "buckets": capture.buckets,
+               "graph_nodes": capture.nodes, "rows": rows, "ttft_ms": ttft,
+               "targets": [t.as_dict() for t in targets]}
+    path = results.write_json(options.out_dir(args) / "iteration_bench.json", payload)
+    print(format_rows(rows, ttft))
+    for target in targets:
+        print(target.line())
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _device(smoke: bool) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if smoke:
+        return torch.device("cpu")
+    raise options.UsageError("needs a CUDA device (or --smoke on CPU)")
+
+
+def _row(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    return next(r for r in rows if r["shape"] == name)
+
+
+def measure(engine: Engine, scale: int, repeats: int) -> list[dict[str, Any]]:
+    """GPU and host time of each shape's iterations, the median over `repeats`."""
+    rows = []
+    with engine.activate():
+        for name, (count, length) in PROMPTS.items():
+            spans = [prefill_span(slot, GREEDY, [1 + slot] * (length // scale), 0, True)
+                     for slot in range(1, max(1, count // scale) + 1)]
+            rows.append(_time(engine, name, _budgeted(engine, spans), repeats))
+        running = list(range(1, engine.max_batch + 1))
+        _prefill(engine, running)
+        for n in DECODES:
+            decodes = [decode_span(slot, GREEDY) for slot in running[: max(1, n // scale)]]
+            rows.append(_time(engine, f"decode {n}", [decodes], repeats))
+        mixed = [decode_span(slot, GREEDY) for slot in running[1:]] + \
+                [prefill_span(1, GREEDY, [7] * (512 // scale), 0, True)]
+        rows.append(_time(engine, f"mixed {len(running) - 1} decodes + 512 prompt", [mixed], repeats))
+    return rows
+
+
+def _budgeted(engine: Engine, spans: list[Span]) -> list[list[Span]]:
+    """Cut prompts into iterations of the token budget, as the scheduler does."""
+    iterations, current, budget = [], [], engine.max_tokens
+    for span in spans:
+        tokens, start = list(span.tokens), 0
+        while tokens:
+            if budget == 0:
+                iterations.append(current)
+                current, budget = [], engine.max_tokens
+            take = tokens[:budget]
+            tokens = tokens[budget:]
+            current.append(prefill_span(span.slot, span.params, take, start, not tokens))
+            start += len(take)
+            budget -= len(take)
+    iterations.append(current)
+    return iterations
+
+
+def _prefill(engine: Engine, slots: list[int]) -> None:
+    """Give every slot a 16-token prompt, so decode spans have something to extend."""
+    for iteration in _budgeted(engine, [prefill_span(s, GREEDY, [3] * 16, 0, True) for s in slots]):
+        engine.read(engine.launch(iteration), block=True)
+
+
+def _time(engine: Engine, name: str, iterations: list[list[Span]], repeats: int) -> dict[str, Any]:
+    gpu, host = [], []
+    on_gpu = engine.on_gpu
+    start, end = (Event(timing=True, device=engine.device) for _ in range(2)) if on_gpu else (None, None)
+    for _ in range(repeats + 1):  # the first is a warm-up
+        if on_gpu:
+            engine.stream.synchronize()
+            start.record(engine.stream)
+        t0 = time.perf_counter()
+        last = None
+        for spans in iterations:
+            last = engine.launch(spans)
+        launched = time.perf_counter() - t0
+        if on_gpu:
+            end.record(engine.stream)
+        engine.read(last, block=True)
+        gpu.append(start.elapsed_ms(end) if on_gpu else (time.perf_counter() - t0) * 1e3)
+        host.append(launched * 1e3)
+    tokens = sum(engine.span_tokens(s) for spans in iterations for s in spans)
+    return {"shape": name, "iterations": len(iterations), "tokens": tokens,
+            "gpu_ms": statistics.median(gpu[1:]), "host_launch_ms": statistics.median(host[1:])}
+
+
+def time_to_first_token(engine: Engine, length: int, repeats: int) -> float:
+    """Median host time from launching one prompt to reading its first token."""
+    times = []
+    with engine.activate():
+        for _ in range(repeats + 1):
+            engine.stream.synchronize()
+            t0 = time.perf_counter()
+            iteration = engine.launch([prefill_span(1, GREEDY, [5] * length, 0, True)])
+            engine.read(iteration, block=True)
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times[1:])
+
+
+def format_rows(rows: list[dict[str, Any]], ttft: float) -> str:
+    headers = ["shape", "iterations", "tokens", "GPU ms", "host launch ms"]
+    body = [[r["shape"], str(r["iterations"]), str(r["tokens"]), f"{r['gpu_ms']:.3f}", f"{r['host_launch_ms']:.3f}"]
+            for r in rows]
+    return (f"{COMMAND}: one iteration by shape (default token budget)\n" + results.format_table(headers, body)
+            + f"\nTTFT, one 128-token prompt, idle engine: {ttft:.2f} ms")
