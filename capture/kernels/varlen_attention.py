@@ -235,9 +235,10 @@ class VarlenWorkspace(AttentionWorkspace):
 
     @classmethod
     def for_buckets(cls, buckets: Iterable[tuple[int, int]], heads: int, kv_heads: int, head_dim: int,
-                    max_seq_len: int, device: torch.device | str) -> VarlenWorkspace:
-        """Sized for every `(tokens, spans)` bucket under the automatic split count."""
-        sm_count = _sm_count(torch.device(device))
+                    max_seq_len: int, device: torch.device | str, sm_count: int | None = None) -> VarlenWorkspace:
+        """Sized for every `(tokens, spans)` bucket under the automatic split count at
+        `max_seq_len` keys (`sm_count`: the device's, unless given)."""
+        sm_count = _sm_count(torch.device(device)) if sm_count is None else sm_count
         needs = [(tokens, pick_varlen_splits(max_q_blocks(tokens, spans), kv_heads, max_seq_len, sm_count))
                  for tokens, spans in buckets]
         if not needs:
