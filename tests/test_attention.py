@@ -17,6 +17,7 @@ from graphrelay.capture.kernels.attention import (
     pick_num_splits,
     prefill_attention,
 )
+from attention_cases import naive_attention
 from graphrelay.lint import lint_step
 
 MAX_SEQ_LEN = 200  # 4 key blocks of 64: the last is partial
@@ -40,22 +41,6 @@ def make_rows(heads: int, head_dim: int, dtype: torch.dtype, rows=ROWS, seed: in
     q = torch.randn(len(rows), heads, head_dim, generator=generator).to(dtype)  # [n, h, d]
     slots, positions = (torch.tensor(column) for column in zip(*rows))
     return q, slots, positions
-
-
-def naive_attention(q, k_cache, v_cache, slots, positions, scale):
-    """Independent oracle: one row and one head at a time, in float64, over exactly the
-    visible keys. Returns [n, h * d] float64."""
-    n, heads, head_dim = q.shape
-    group = heads // k_cache.shape[2]
-    out = torch.empty(n, heads, head_dim, dtype=torch.float64)
-    for i in range(n):
-        slot, length = int(slots[i]), int(positions[i]) + 1
-        for j in range(heads):
-            keys = k_cache[slot, :length, j // group].double()  # [length, d]
-            values = v_cache[slot, :length, j // group].double()
-            weights = torch.softmax(keys @ q[i, j].double() * scale, dim=0)  # [length]
-            out[i, j] = weights @ values
-    return out.reshape(n, heads * head_dim)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,32 +1,421 @@
-"""PLACEHOLDER until the varlen kernel lands: per-token rows through the decode kernel."""
+"""Varlen attention: every query token of a flat mixed batch over the static KV cache.
+
+One iteration's T query tokens come from spans: a decode row (1 token), a speculative verify
+span (k + 1 tokens) or a prefill chunk (n tokens). Token t belongs to slot `token_slot[t]` at
+position `token_pos[t]` and attends keys `0 ..= token_pos[t]` of that slot; the span's own K/V
+are already in the cache, so this one rule is "causal inside a span, full over its cached
+prefix". Query head j reads KV head `j // (heads // kv_heads)`.
+
+The cache `[num_slots, max_seq_len, kvh, d]` is read as pages: viewed as
+`[num_slots * pages_per_slot, page, kvh, d]`, logical position p of slot s lives at physical page
+`block_table[s, p // page]`, row `p % page`. The page size is `max_seq_len // pages_per_slot`
+(the table's width), so a paged cache or shared prefixes need a new table, not a new kernel.
+
+Work comes in q-blocks, built on the host (`q_blocks`): up to `Q_BLOCK` consecutive flat tokens
+of one span. Grid `(num_blocks, kvh, num_splits)`: a program stacks its block's tokens x the
+query heads of one KV head as the M rows of `tl.dot` (so K/V tiles are read once per group and
+block), walks key tiles `split, split + S, ...` up to the block's last position with an online
+softmax in float32, and masks each row at its own position. A block of length 0 is padding and
+returns at once. With S > 1 the splits write normalized partials and log-sum-exps (base 2) to a
+`VarlenWorkspace` and a second kernel merges them. S is a function of static shapes only.
+
+Tokens that no q-block covers (padding tokens) are left untouched in `out`, by both backends.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
+import triton
+import triton.language as tl
 
-from graphrelay.capture.kernels.attention import decode_attention
+from graphrelay.capture.kernels.attention import (
+    _LOG2E,
+    BLOCK_N,
+    AttentionWorkspace,
+    _check_cache_args,
+    _check_max_len,
+    _check_out,
+    _sm_count,
+    decode_attention_reference,
+    pick_num_splits,
+)
 
-Q_BLOCK = 16
+Q_BLOCK = 16  # query tokens per q-block: with the GQA group they make the dot's M (>= 16)
+PAGE = 16  # default page size of `identity_block_table`; the kernel takes any size from the table
+# Key rows the reference gathers at once (per K and V): bounds its memory whatever T is.
+_REFERENCE_KEY_ROWS = 1 << 16
+
+
+@triton.jit
+def _varlen_split_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, slot_ptr, pos_ptr, block_start_ptr, block_len_ptr,
+    out_ptr, part_ptr, lse_ptr,
+    stride_qt, stride_qh, stride_kp, stride_kh, stride_vp, stride_vh, stride_table, stride_ot,
+    num_slots, max_seq_len, qk_scale,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr, PAGE: tl.constexpr, SINGLE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+
+    count = tl.load(block_len_ptr + block).to(tl.int32)
+    if count <= 0:
+        return
+    first = tl.load(block_start_ptr + block).to(tl.int64)
+
+    # Row r of the dot is token r // GROUP of the block, query head r % GROUP of this KV
+    # head's group; ROWS pads Q_BLOCK * GROUP to a power of two (the pad rows are past count).
+    r = tl.arange(0, ROWS)
+    row_ok = r // GROUP < count
+    token = first + r // GROUP
+    heads = kv_head * GROUP + r % GROUP
+    d = tl.arange(0, HEAD_DIM)
+
+    # Values are the caller's contract; clamping only keeps a bad one from reading outside
+    # the cache (its result is unspecified). Rows past the block see no key (position -1).
+    slot = tl.load(slot_ptr + first).to(tl.int64)
+    slot = tl.where((slot >= 0) & (slot < num_slots), slot, 0)
+    pos = tl.load(pos_ptr + token, mask=row_ok, other=0).to(tl.int32)
+    pos = tl.where(row_ok, tl.minimum(tl.maximum(pos, 0), max_seq_len - 1), -1)
+    last = tl.max(pos, 0)
+    num_pages = num_slots * (max_seq_len // PAGE)
+
+    # Dots run on float32 operands: bf16/fp16 values are exact in tf32, so with PRECISION
+    # "tf32" this equals a bf16 dot with float32 accumulation (and Triton's interpreter
+    # mis-multiplies bf16 dots). Float32 models use "ieee" to keep reference accuracy.
+    q = tl.load(q_ptr + token[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0).to(tl.float32)  # [ROWS, D]
+    table_row = table_ptr + slot * stride_table
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+
+    m = tl.full([ROWS], float("-inf"), tl.float32)  # running max, log2 units
+    l = tl.zeros([ROWS], tl.float32)  # running sum of exp2(score - m)
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    for start in range(split * BLOCK, last + 1, num_splits * BLOCK):
+        keys = start + tl.arange(0, BLOCK)
+        key_ok = keys <= last
+        page = tl.load(table_row + keys // PAGE, mask=key_ok, other=0).to(tl.int64)
+        page = tl.where((page >= 0) & (page < num_pages), page, 0)
+        at = page * PAGE + keys % PAGE  # row of the cache viewed as [num_slots * max_seq_len]
+        k = tl.load(k_base + at[:, None] * stride_kp + d[None, :], mask=key_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION)
+        s = tl.where(keys[None, :] <= pos[:, None], s * qk_scale, float("-inf"))  # [ROWS, BLOCK]
+        m_new = tl.maximum(m, tl.max(s, 1))
+        # A row may see no key yet: a tile past its position (earlier tokens of a prefill
+        # block, or a split that starts late) or a pad row. Shift by 0 then, so exp2 gives 0
+        # rather than exp2(-inf + inf) = NaN.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - shift)
+        p = tl.exp2(s - shift[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + at[:, None] * stride_vp + d[None, :], mask=key_ok[:, None], other=0.0)
+        # Probabilities rounded to the value dtype, as the reference casts them for its einsum.
+        p = p.to(v.dtype).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+        m = m_new
+
+    seen = l > 0
+    o = acc / tl.where(seen, l, 1.0)[:, None]
+    if SINGLE:
+        # Every real row sees key 0, so l > 0 on the rows stored.
+        tl.store(out_ptr + token[:, None] * stride_ot + heads[:, None] * HEAD_DIM + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        # A split whose tiles all lie past a row's position saw nothing: a neutral partial
+        # (lse -inf, zeros) that the merge weighs by exp2(-inf) = 0.
+        lse = tl.where(seen, m + tl.log2(tl.where(seen, l, 1.0)), float("-inf"))
+        cell = (token * NUM_HEADS + heads) * num_splits + split  # into [T, h, S]
+        tl.store(part_ptr + cell[:, None] * HEAD_DIM + d[None, :], o, mask=row_ok[:, None])
+        tl.store(lse_ptr + cell, lse, mask=row_ok)
+
+
+@triton.jit
+def _varlen_combine_kernel(
+    block_start_ptr, block_len_ptr, part_ptr, lse_ptr, out_ptr, stride_ot, num_splits,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, Q_ROWS: tl.constexpr,
+):
+    block = tl.program_id(0)
+    head = tl.program_id(1)
+    count = tl.load(block_len_ptr + block).to(tl.int32)
+    if count <= 0:
+        return
+    r = tl.arange(0, Q_ROWS)
+    ok = r < count
+    token = tl.load(block_start_ptr + block).to(tl.int64) + r
+    d = tl.arange(0, HEAD_DIM)
+    cell = (token * NUM_HEADS + head) * num_splits  # split 0 of each token
+    # Split 0 holds key 0, which every row sees: its finite lse anchors the running merge.
+    m = tl.load(lse_ptr + cell, mask=ok, other=0.0)
+    weight = tl.full([Q_ROWS], 1.0, tl.float32)
+    acc = tl.load(part_ptr + cell[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
+    for split in range(1, num_splits):
+        lse = tl.load(lse_ptr + cell + split, mask=ok, other=float("-inf"))
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        beta = tl.exp2(lse - m_new)
+        part = tl.load(part_ptr + (cell + split)[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + beta[:, None] * part
+        weight = weight * alpha + beta
+        m = m_new
+    tl.store(out_ptr + token[:, None] * stride_ot + head * HEAD_DIM + d[None, :],
+             (acc / weight[:, None]).to(out_ptr.dtype.element_ty), mask=ok[:, None])
+
+
+# ----------------------------------------------------------------------------------------------
+# Host helpers: q-blocks, block tables, split count, workspace
 
 
 def max_q_blocks(tokens: int, spans: int) -> int:
+    """Static q-block count that any batch of at most `tokens` tokens in at most `spans` spans
+    fits: sum(ceil(n_i / Q_BLOCK)) <= sum(n_i // Q_BLOCK + 1) <= tokens // Q_BLOCK + spans."""
     return tokens // Q_BLOCK + spans
 
 
-def q_blocks(span_lengths, span_starts):
-    starts, lens = [], []
-    for n, s in zip(span_lengths, span_starts):
-        for off in range(0, n, Q_BLOCK):
-            starts.append(s + off)
-            lens.append(min(Q_BLOCK, n - off))
+def q_blocks(span_lengths: list[int], span_starts: list[int],
+             num_blocks: int | None = None) -> tuple[list[int], list[int]]:
+    """Split spans (flat token ranges `[start, start + length)`) into q-blocks of at most
+    Q_BLOCK tokens: returns `(starts, lens)` as host lists. With `num_blocks` (the bucket's
+    `max_q_blocks`), pads with `(0, 0)` blocks to exactly that many."""
+    if len(span_lengths) != len(span_starts):
+        raise ValueError(f"span_lengths and span_starts differ in length: "
+                         f"{len(span_lengths)} vs {len(span_starts)}")
+    starts: list[int] = []
+    lens: list[int] = []
+    for length, start in zip(span_lengths, span_starts):
+        if length < 1 or start < 0:
+            raise ValueError(f"a span needs length >= 1 and start >= 0, got length {length} at {start}")
+        for offset in range(0, length, Q_BLOCK):
+            starts.append(start + offset)
+            lens.append(min(Q_BLOCK, length - offset))
+    if num_blocks is not None:
+        if len(starts) > num_blocks:
+            raise ValueError(f"the spans need {len(starts)} q-blocks, more than num_blocks={num_blocks}: "
+                             f"size num_blocks with max_q_blocks(tokens, spans)")
+        padding = num_blocks - len(starts)
+        starts += [0] * padding
+        lens += [0] * padding
     return starts, lens
 
 
-def varlen_attention(q, k_cache, v_cache, block_table, token_slot, token_pos, q_block_start, q_block_len, *,
-                     scale, out, workspace=None, num_splits=None, backend=None):
-    return decode_attention(q, k_cache, v_cache, token_slot, token_pos, scale=scale, out=out, workspace=workspace,
-                            backend=backend)
+def identity_block_table(num_slots: int, max_seq_len: int, page: int = PAGE,
+                         device: torch.device | str = "cpu") -> torch.Tensor:
+    """`[num_slots, max_seq_len // page]` int32 table mapping each slot to its own contiguous
+    rows of today's cache: page j of slot s is physical page `s * pages_per_slot + j`."""
+    if page < 1 or max_seq_len % page:
+        raise ValueError(f"page must divide max_seq_len={max_seq_len}, got {page}")
+    pages_per_slot = max_seq_len // page
+    return torch.arange(num_slots * pages_per_slot, dtype=torch.int32, device=device).view(num_slots, pages_per_slot)
 
 
-def identity_block_table(num_slots, max_seq_len, device):
-    return torch.zeros(num_slots, 1, dtype=torch.int32, device=device)
+def pick_varlen_splits(num_blocks: int, kv_heads: int, max_len: int, sm_count: int) -> int:
+    """Splits per q-block: the decode heuristic over q-blocks instead of rows, so only
+    buckets with few blocks (decode-sized) split. Static shapes only."""
+    return pick_num_splits(num_blocks, kv_heads, max_len, sm_count)
+
+
+class VarlenWorkspace(AttentionWorkspace):
+    """Float32 split scratch for `varlen_attention`, allocated once at start-up.
+
+    A call of T tokens with S splits uses `T * S` (token, split) cells per head, the prefixes of
+    the flat buffers; the workspace holds `max_tokens * max_splits` of them and at most
+    `max_splits` splits. Splits happen only for buckets with few q-blocks, so size it with
+    `for_buckets`, which takes the largest `T * S` the picker asks over the engine's buckets.
+    Memory: `max_tokens * max_splits * heads * (head_dim + 1) * 4` bytes.
+    """
+
+    def __init__(self, max_tokens: int, heads: int, head_dim: int, max_splits: int,
+                 device: torch.device | str) -> None:
+        super().__init__(max_tokens, heads, head_dim, max_splits, device)
+        self.capacity = max_tokens * max_splits
+
+    @classmethod
+    def for_buckets(cls, buckets: Iterable[tuple[int, int]], heads: int, kv_heads: int, head_dim: int,
+                    max_seq_len: int, device: torch.device | str, sm_count: int | None = None) -> VarlenWorkspace:
+        """Sized for every `(tokens, spans)` bucket under the automatic split count at
+        `max_seq_len` keys (`sm_count`: the device's, unless given)."""
+        sm_count = _sm_count(torch.device(device)) if sm_count is None else sm_count
+        needs = [(tokens, pick_varlen_splits(max_q_blocks(tokens, spans), kv_heads, max_seq_len, sm_count))
+                 for tokens, spans in buckets]
+        if not needs:
+            raise ValueError("VarlenWorkspace.for_buckets needs at least one (tokens, spans) bucket")
+        max_splits = max(splits for _, splits in needs)
+        cells = max(tokens * splits for tokens, splits in needs)
+        return cls(-(-cells // max_splits), heads, head_dim, max_splits, device)
+
+    def views(self, tokens: int, heads: int, head_dim: int, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Partials `[T, h, S, d]` and lse `[T, h, S]`."""
+        if (heads, head_dim) != (self.num_heads, self.head_dim):
+            raise ValueError(f"VarlenWorkspace was built for {self.num_heads} heads x {self.head_dim} dims, "
+                             f"got q with {heads} x {head_dim}")
+        if num_splits > self.max_splits or tokens * num_splits > self.capacity:
+            raise ValueError(f"VarlenWorkspace holds {self.capacity} token-splits and {self.max_splits} splits, "
+                             f"asked for {tokens} tokens x {num_splits} splits: size it with for_buckets")
+        cells = tokens * heads * num_splits
+        return (self.partial[: cells * head_dim].view(tokens, heads, num_splits, head_dim),
+                self.lse[:cells].view(tokens, heads, num_splits))
+
+    def splits_that_fit(self, tokens: int, num_splits: int) -> int:
+        """The split count capped to what this workspace holds (one split needs none)."""
+        return max(1, min(num_splits, self.max_splits, self.capacity // tokens))
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks, reference, kernel launch
+
+
+def _check_varlen_args(q, k_cache, v_cache, block_table, token_slot, token_pos,
+                       q_block_start, q_block_len, out, max_len) -> int:
+    """Metadata checks (no values read); returns the static key bound."""
+    _check_cache_args(q, k_cache, v_cache, {"token_slot": token_slot, "token_pos": token_pos}, 3)
+    if out is None:
+        raise ValueError("out is required: a preallocated [T, heads * head_dim] tensor")
+    _check_out(out, q)
+    num_slots, max_seq_len = k_cache.shape[:2]
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(0) != max_seq_len * t.stride(1):
+            raise ValueError(f"{name} must be contiguous over [slot, position] to be read as pages, "
+                             f"got strides {t.stride()}")
+    if (block_table.dim() != 2 or block_table.shape[0] != num_slots or block_table.shape[1] < 1
+            or max_seq_len % block_table.shape[1]):
+        raise ValueError(f"block_table must be [{num_slots}, pages_per_slot] with pages_per_slot dividing "
+                         f"max_seq_len={max_seq_len} (see identity_block_table), got {tuple(block_table.shape)}")
+    if q_block_start.dim() != 1 or q_block_start.shape != q_block_len.shape:
+        raise ValueError(f"q_block_start and q_block_len must both be [num_blocks], got "
+                         f"{tuple(q_block_start.shape)} and {tuple(q_block_len.shape)}")
+    for name, t in (("block_table", block_table), ("q_block_start", q_block_start), ("q_block_len", q_block_len)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    length = max_seq_len if max_len is None else max_len
+    _check_max_len(length, max_seq_len, "max_len")
+    return length
+
+
+def _covered_tokens(num_tokens: int, q_block_start: torch.Tensor, q_block_len: torch.Tensor) -> torch.Tensor:
+    """`[T]` bool: which tokens some q-block covers. Fixed-shape: rows past a block's length
+    are scattered into a spare cell T, which is dropped."""
+    row = torch.arange(Q_BLOCK, device=q_block_start.device)
+    tokens = q_block_start.long()[:, None] + row
+    tokens = torch.where(row < q_block_len.long()[:, None], tokens, num_tokens).clamp(0, num_tokens)
+    covered = torch.zeros(num_tokens + 1, dtype=torch.bool, device=q_block_start.device)
+    return covered.index_fill_(0, tokens.flatten(), True)[:num_tokens]
+
+
+def varlen_attention_reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    token_slot: torch.Tensor, token_pos: torch.Tensor, q_block_start: torch.Tensor,
+    q_block_len: torch.Tensor, *, scale: float, out: torch.Tensor, max_len: int | None = None,
+) -> torch.Tensor:
+    """Pure-torch varlen attention; fixed-shape (T tokens x `max_len` keys), no host reads.
+
+    Each token gathers its slot's first `max_len` logical rows through the block table, then
+    the decode reference's math runs on them, a bounded chunk of tokens at a time. Writes the
+    covered tokens of `out` and returns it.
+    """
+    length = _check_varlen_args(q, k_cache, v_cache, block_table, token_slot, token_pos,
+                                q_block_start, q_block_len, out, max_len)
+    num_tokens = q.shape[0]
+    kv_heads, head_dim = k_cache.shape[2:]
+    page = k_cache.shape[1] // block_table.shape[1]
+    covered = _covered_tokens(num_tokens, q_block_start, q_block_len)
+    # Uncovered tokens may carry any value; read them as slot 0, position 0.
+    slots = torch.where(covered, token_slot.long(), 0)
+    positions = torch.where(covered, token_pos.long(), 0)
+    keys = torch.arange(length, device=q.device)
+    cache_rows = [cache.view(-1, kv_heads, head_dim) for cache in (k_cache, v_cache)]
+    table = block_table.long()
+    result = torch.empty_like(out)
+    chunk = max(1, _REFERENCE_KEY_ROWS // length)
+    for begin in range(0, num_tokens, chunk):
+        part = slice(begin, begin + chunk)
+        rows = (table.index_select(0, slots[part])[:, keys // page] * page + keys % page).flatten()
+        gathered = [c.index_select(0, rows).view(-1, length, kv_heads, head_dim) for c in cache_rows]
+        count = gathered[0].shape[0]
+        decode_attention_reference(q[part], *gathered, torch.arange(count, device=q.device), positions[part],
+                                   scale=scale, out=result[part])
+    return out.copy_(torch.where(covered[:, None], result, out))
+
+
+def _launch_triton(q, k_cache, v_cache, block_table, token_slot, token_pos, q_block_start,
+                   q_block_len, scale, out, workspace, num_splits):
+    num_tokens, heads, head_dim = q.shape
+    num_slots, max_seq_len, kv_heads = k_cache.shape[:3]
+    group = heads // kv_heads
+    num_blocks = q_block_start.shape[0]
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"the Triton varlen kernel needs head_dim a power of two >= 16, got {head_dim}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out),
+                    ("block_table", block_table), ("token_slot", token_slot), ("token_pos", token_pos),
+                    ("q_block_start", q_block_start), ("q_block_len", q_block_len)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit-stride last dim, got strides {t.stride()}")
+    if num_blocks == 0:
+        return out
+    if num_splits > 1:
+        if workspace is None:  # eager convenience; a captured call passes the start-up one
+            workspace = VarlenWorkspace(num_tokens, heads, head_dim, num_splits, q.device)
+        elif workspace.partial.device != q.device:
+            raise ValueError(f"workspace is on {workspace.partial.device}, q on {q.device}")
+        partial, lse = workspace.views(num_tokens, heads, head_dim, num_splits)
+    else:
+        partial = lse = out  # unused by the single-split kernel
+    _varlen_split_kernel[(num_blocks, kv_heads, num_splits)](
+        q, k_cache, v_cache, block_table, token_slot, token_pos, q_block_start, q_block_len,
+        out, partial, lse,
+        q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0), out.stride(0), num_slots, max_seq_len, scale * _LOG2E,
+        NUM_HEADS=heads, GROUP=group, ROWS=triton.next_power_of_2(Q_BLOCK * group), HEAD_DIM=head_dim,
+        BLOCK=BLOCK_N, PAGE=max_seq_len // block_table.shape[1], SINGLE=num_splits == 1,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        _varlen_combine_kernel[(num_blocks, heads)](
+            q_block_start, q_block_len, partial, lse, out, out.stride(0), num_splits,
+            NUM_HEADS=heads, HEAD_DIM=head_dim, Q_ROWS=Q_BLOCK, num_warps=2,
+        )
+    return out
+
+
+def varlen_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    token_slot: torch.Tensor, token_pos: torch.Tensor, q_block_start: torch.Tensor,
+    q_block_len: torch.Tensor, *, scale: float, out: torch.Tensor,
+    workspace: VarlenWorkspace | None = None, num_splits: int | None = None,
+    max_len: int | None = None, backend: str | None = None,
+) -> torch.Tensor:
+    """Attention of a flat batch of T query tokens over the paged slot cache; capturable.
+
+    q `[T, h, d]` (the cache's dtype); token_slot, token_pos `[T]`; q_block_start,
+    q_block_len `[num_blocks]` from `q_blocks` (host) padded to `max_q_blocks`; block_table
+    `[num_slots, pages_per_slot]`; all int32/int64 on q's device. Writes `out` `[T, h * d]`
+    for the tokens the q-blocks cover and returns it.
+
+    backend: "triton" (default on CUDA) | "torch" (`varlen_attention_reference`, elsewhere).
+    max_len: static bound with every position < max_len (default the cache length): the
+    reference gathers that many keys, the kernel sizes its split count by it.
+    workspace: split scratch, allocated per call when missing (so pass one under capture); it
+    caps the automatic split count to what it holds. num_splits: override the heuristic (tests).
+    """
+    backend = backend or ("triton" if q.is_cuda else "torch")
+    if backend == "torch":
+        return varlen_attention_reference(q, k_cache, v_cache, block_table, token_slot, token_pos,
+                                          q_block_start, q_block_len, scale=scale, out=out, max_len=max_len)
+    if backend != "triton":
+        raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
+    length = _check_varlen_args(q, k_cache, v_cache, block_table, token_slot, token_pos,
+                                q_block_start, q_block_len, out, max_len)
+    if num_splits is None:
+        num_splits = pick_varlen_splits(q_block_start.shape[0], k_cache.shape[2], length, _sm_count(q.device))
+        if workspace is not None:
+            num_splits = workspace.splits_that_fit(q.shape[0], num_splits)
+    elif not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    return _launch_triton(q, k_cache, v_cache, block_table, token_slot, token_pos, q_block_start,
+                          q_block_len, scale, out, workspace, num_splits)
