@@ -250,14 +250,17 @@ def gc_paused():
 
 
 def step_state(stack: Stack, bs: int) -> dict[str, torch.Tensor]:
-    """Clones of everything a step writes: relay rows, generations, KV caches (dim 0 = slot),
+    """Clones of everything a step writes: relay rows, generations, KV caches (dim 0 = slot 1..),
     and the step's static outputs for token bucket `bs` (dim 0 = span or sampled row)."""
     state = {f"relay.{name}[slot]": t.clone() for name, t in stack.relay.buffers.items()}
     state["relay.generation[slot]"] = stack.relay.generation.clone()
     cache = stack.model.kv_cache
+    # Row 0 is the padding slot's scratch: padding tokens write there whatever their hidden
+    # state holds (the attention leaves tokens outside every query block unwritten), which
+    # differs between a graph's memory and eager's and is never read by a real token.
     for layer, (k, v) in enumerate(zip(cache.keys, cache.values)):
-        state[f"kv.keys[{layer}][slot]"] = k.clone()
-        state[f"kv.values[{layer}][slot]"] = v.clone()
+        state[f"kv.keys[{layer}][slot]"] = k[1:].clone()
+        state[f"kv.values[{layer}][slot]"] = v[1:].clone()
     resolved = stack.step.resolved.narrow(stack.inputs.geometry(bs).spans)
     for name in resolved.__struct_fields__:
         t = getattr(resolved, name)

@@ -58,10 +58,9 @@ def hf_tokens(gguf_path, ours):
 
 def test_greedy_tokens_equal_transformers(ours, hf_tokens):
     """Four prompts of different lengths through the overlap loop, three slots for four
-    requests (the fourth joins mid-way when a slot frees), one token bucket of 64 (padding, prompts chunked beside decodes)."""
+    requests (the fourth joins mid-way when a slot frees), token buckets up to 64 (padding; prompts chunked beside decodes)."""
     config, weights, codec = ours
-    engine = Engine(EngineConfig(config, max_reqs=3, max_batch=4, max_tokens=64, buckets=(64,), use_graphs=False),
-                    weights=weights)
+    engine = Engine(EngineConfig(config, max_reqs=3, max_batch=4, max_tokens=64, use_graphs=False), weights=weights)
     requests = [
         Request(id=str(i), prompt=codec.encode_chat([{"role": "user", "content": text}]),
                 max_new_tokens=NEW_TOKENS - 8 * (i == 1))  # one request finishes early, freeing its slot

@@ -113,15 +113,15 @@ class Engine:
         if spec is not None:
             extra = dict(accepted_tokens=FieldSpec((spec.rows,), "int32"), accept_len=FieldSpec((), "int32"))
         self.relay = Relay(RelayConfig.plain(max_reqs, rows, debug=config.debug, **extra), self.device, validate=False)
-        self.model = LlamaModel(model_config, max_reqs, self.device, weights=weights, max_tokens=config.max_tokens,
-                                tp=tp)
+        buckets = list(config.buckets) if config.buckets else default_buckets(config.max_tokens)
+        self.model = LlamaModel(model_config, max_reqs, self.device, weights=weights, tp=tp,
+                                attention_buckets=[(b, self.inputs.geometry(b).spans) for b in buckets])
         self.mirror = HostMirror(self.relay, depth=config.mirror_depth, validate=False)
         self.history = TokenHistory(max_reqs, model_config.max_seq_len, self.device) if spec else None
         self.step = IterationStep(self.relay, self.model, self.mirror, self.inputs, spec=spec, history=self.history,
                                   max_top_k=config.max_top_k)
         self.runner = GraphRunner(
-            self.step, list(config.buckets) if config.buckets else default_buckets(config.max_tokens),
-            config.max_tokens, self.device,
+            self.step, buckets, config.max_tokens, self.device,
             use_graphs=config.use_graphs, strict=True, progress=progress and (tp is None or tp.leads),
             # NCCL's watchdog thread queries events while the graphs capture: only the capturing
             # thread's calls may be checked, or its legal queries would invalidate the capture.

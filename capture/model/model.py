@@ -1,31 +1,29 @@
 """A Llama-family decoder (real weights from a GGUF, or seeded random ones) and its static
 `[slot, position]` KV cache.
 
-Two paths share one layer stack (GEMMs in torch, the rest in fused kernels on CUDA with torch
-twins on the CPU: `capture.layer_kernels`, `capture.attention`):
+One path: `forward(ids, slots, positions, q-blocks)` runs a flat batch of T query tokens of any
+span kinds (prompt chunks, decode rows, verify spans) through the layer stack (GEMMs in torch,
+the rest in fused kernels on CUDA with torch twins on the CPU: `capture.kernels`), every op
+fixed-shape in T, no host syncs: it is what the engine captures per token bucket. Token t
+writes its K/V at `[slots[t], positions[t]]` and attends that slot's positions
+0..positions[t] through the varlen kernel, so a span is causal inside and sees its whole cached
+prefix. `logits` runs the LM head over the rows that sample. `prefill` and `decode` are eager
+conveniences over `forward` (tests, references).
 
-- `prefill(slots, chunks, starts)`: eager, a batch of prompt chunks in one forward (padded to
-  the longest), each writing `cache[slot, start : start + len]`.
-- `decode(tokens, slots, seq_lens)`: one token per row, every op fixed-shape in the bucket
-  size `bs`, no host syncs, nothing sized by data: it can be captured in a CUDA graph.
-  Attention reads the cache in place up to each row's position.
-
-Seq-len convention: `seq_lens[i]` is the number of tokens already cached for slot i, which is
-also the position of row i's input token. A decode step writes K/V at `[slot, seq_len]`,
-attends over positions `0..seq_len`, and the caller then publishes `seq_len + 1`.
-Slot 0 is the padding slot: padded rows (slot 0, any in-range seq len) only touch cache row 0.
+Slot 0 is the padding slot: padding tokens (slot 0, any in-range position) only touch cache
+row 0.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import msgspec
 import torch
 
-from graphrelay.capture.kernels import attention
-from graphrelay.capture.kernels.varlen_attention import identity_block_table, q_blocks, varlen_attention
+from graphrelay.capture.kernels.varlen_attention import PAGE, VarlenWorkspace, identity_block_table, q_blocks, varlen_attention
 from graphrelay.capture.kernels import layer_kernels as kernels
 from graphrelay.capture.model.kv_cache import KVCache
 from graphrelay.config import DTYPES
@@ -259,8 +257,9 @@ class LlamaModel:
 
     weights: real weights (e.g. `capture.checkpoint.read_gguf`), any float dtype on any device;
     they are cast to the config's dtype on `device`. None draws seeded random weights.
-    max_tokens: the most query tokens one `forward` runs (the largest token bucket); sizes the
-    attention's split scratch.
+    attention_buckets: the (tokens, spans) shapes `forward` is captured at (the engine's token
+    buckets); on a GPU they size the attention's split scratch once (None: eager calls
+    allocate their own).
     tp: this rank's place in a tensor-parallel group (`capture.tensor_parallel`): the model
     then holds its share of the heads and MLP columns (`self.shard`) and all-reduces after
     the O and down projections. `self.config` stays the whole model's.
@@ -268,7 +267,7 @@ class LlamaModel:
 
     def __init__(
         self, config: ModelConfig, max_reqs: int, device: torch.device | str, weights: "ModelWeights | None" = None,
-        max_tokens: int | None = None, tp: "TensorParallel | None" = None,
+        attention_buckets: Sequence[tuple[int, int]] | None = None, tp: "TensorParallel | None" = None,
     ) -> None:
         if not isinstance(max_reqs, int) or max_reqs < 1:
             raise ValueError(f"max_reqs must be a positive int, got {max_reqs!r}")
@@ -292,14 +291,13 @@ class LlamaModel:
         self.rope_cos, self.rope_sin = (t.to(self.device) for t in rotary_table(c, c.max_seq_len))
         self.scale = c.head_dim**-0.5
         self.attention_workspace = None
-        if self.device.type == "cuda":
-            self.attention_workspace = attention.AttentionWorkspace(
-                max_tokens or max_reqs, c.num_heads, c.head_dim, attention.MAX_SPLITS, self.device
-            )
-
+        if self.device.type == "cuda" and attention_buckets:
+            self.attention_workspace = VarlenWorkspace.for_buckets(
+                attention_buckets, c.num_heads, c.num_kv_heads, c.head_dim, c.max_seq_len, self.device)
         # K/V are read through a per-slot page table; this round it maps each slot to its own
         # contiguous range of the cache, so a paged cache can follow without a new kernel.
-        self.block_table = identity_block_table(max_reqs + 1, c.max_seq_len, self.device)
+        self.block_table = identity_block_table(max_reqs + 1, c.max_seq_len, math.gcd(c.max_seq_len, PAGE),
+                                                device=self.device)
         self.kv_cache = KVCache(
             c.num_layers, max_reqs, c.max_seq_len, c.num_kv_heads, c.head_dim, c.torch_dtype, self.device
         )
