@@ -38,7 +38,7 @@ from graphrelay.capture.kernels.attention import (
     _check_max_len,
     _check_out,
     _sm_count,
-    decode_attention_reference,
+    attend_gathered,
     pick_num_splits,
 )
 
@@ -315,7 +315,8 @@ def varlen_attention_reference(
     """Pure-torch varlen attention; fixed-shape (T tokens x `max_len` keys), no host reads.
 
     Each token gathers its slot's first `max_len` logical rows through the block table, then
-    the decode reference's math runs on them, a bounded chunk of tokens at a time. Writes the
+    the decode reference's math (`attend_gathered`) runs on them, a bounded chunk of tokens at
+    a time, so memory stays bounded whatever T is. Writes the
     covered tokens of `out` and returns it.
     """
     length = _check_varlen_args(q, k_cache, v_cache, block_table, token_slot, token_pos,
@@ -328,7 +329,8 @@ def varlen_attention_reference(
     slots = torch.where(covered, token_slot.long(), 0)
     positions = torch.where(covered, token_pos.long(), 0)
     keys = torch.arange(length, device=q.device)
-    cache_rows = [cache.view(-1, kv_heads, head_dim) for cache in (k_cache, v_cache)]
+    # Rows of the cache viewed as [num_slots * max_seq_len]; 2-D, the fastest gather.
+    cache_rows = [cache.view(-1, kv_heads * head_dim) for cache in (k_cache, v_cache)]
     table = block_table.long()
     result = torch.empty_like(out)
     chunk = max(1, _REFERENCE_KEY_ROWS // length)
@@ -336,9 +338,7 @@ def varlen_attention_reference(
         part = slice(begin, begin + chunk)
         rows = (table.index_select(0, slots[part])[:, keys // page] * page + keys % page).flatten()
         gathered = [c.index_select(0, rows).view(-1, length, kv_heads, head_dim) for c in cache_rows]
-        count = gathered[0].shape[0]
-        decode_attention_reference(q[part], *gathered, torch.arange(count, device=q.device), positions[part],
-                                   scale=scale, out=result[part])
+        result[part] = attend_gathered(q[part], *gathered, positions[part], scale)
     return out.copy_(torch.where(covered[:, None], result, out))
 
 
