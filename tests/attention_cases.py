@@ -70,3 +70,17 @@ def flat_batch(spans, *, heads, head_dim, dtype, device="cpu", padding_tokens=0,
     return {"q": q, "token_slot": ints(token_slot), "token_pos": ints(token_pos),
             "q_block_start": ints(block_start), "q_block_len": ints(block_len),
             "covered": torch.tensor(covered, device=device)}
+
+
+def capture_after_warmup(step) -> torch.cuda.CUDAGraph:
+    """Run `step` once on a side stream (Triton compiles and loads outside the capture), then
+    capture it into a CUDA graph and return the graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention_cases import flat_batch, permuted_pages, random_cache
+from attention_cases import capture_after_warmup, flat_batch, permuted_pages, random_cache
 from graphrelay.capture.kernels.varlen_attention import (
     VarlenWorkspace,
     identity_block_table,
@@ -125,14 +125,7 @@ def test_captured_replays_like_eager(case, cache):
     def step():
         attend(batch, *cache, table, workspace, out=out)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_after_warmup(step)
 
     # Same slots and span lengths (so the same q-blocks), other cached prefixes and queries,
     # written into the captured tensors.
