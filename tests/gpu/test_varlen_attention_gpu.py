@@ -9,6 +9,7 @@ import torch
 
 from attention_cases import capture_after_warmup, flat_batch, permuted_pages, random_cache
 from graphrelay.capture.kernels.varlen_attention import (
+    Q_BLOCK,
     VarlenWorkspace,
     identity_block_table,
     varlen_attention,
@@ -78,14 +79,15 @@ def workspace_for(batch, spans):
                                        MAX_SEQ_LEN, DEVICE)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_triton_matches_reference_bf16(case, cache):
+@pytest.mark.parametrize("case, q_block", [(case, Q_BLOCK) for case in sorted(CASES)]
+                         + [("decode-64", 1), ("decode-256", 1)])  # decode buckets may use 1-token blocks
+def test_triton_matches_reference_bf16(case, q_block, cache):
     spans = CASES[case](seed=0)
     batch = flat_batch(spans, heads=HEADS, head_dim=HEAD_DIM, dtype=torch.bfloat16, device=DEVICE,
-                       padding_tokens=PADDING_TOKENS)
+                       padding_tokens=PADDING_TOKENS, q_block=q_block)
     table = identity_block_table(NUM_SLOTS, MAX_SEQ_LEN, device=DEVICE)
-    got = attend(batch, *cache, table, workspace=workspace_for(batch, spans))
-    expected = attend(batch, *cache, table, backend="torch")
+    got = attend(batch, *cache, table, workspace=workspace_for(batch, spans), q_block=q_block)
+    expected = attend(batch, *cache, table, backend="torch", q_block=q_block)
     covered = batch["covered"]
     assert (got[~covered] == 0).all()  # padding tokens untouched
     torch.testing.assert_close(got[covered], expected[covered], atol=2e-2, rtol=0)
