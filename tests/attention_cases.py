@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from graphrelay.capture.kernels.varlen_attention import max_q_blocks, q_blocks
+from graphrelay.capture.kernels.varlen_attention import Q_BLOCK, max_q_blocks, q_blocks
 
 
 def naive_attention(q, k_cache, v_cache, slots, positions, scale):
@@ -43,11 +43,13 @@ def permuted_pages(cache, page, seed=0):
     return physical, place.int().view(num_slots, -1)
 
 
-def flat_batch(spans, *, heads, head_dim, dtype, device="cpu", padding_tokens=0, block_order=None, seed=1):
+def flat_batch(spans, *, heads, head_dim, dtype, device="cpu", padding_tokens=0, block_order=None, seed=1,
+               q_block=Q_BLOCK):
     """Lay out spans `(slot, cached, length)` as consecutive flat tokens (span i's tokens at
     positions `cached .. cached + length - 1`), then `padding_tokens` on slot 0, position 0.
     Returns varlen_attention's batch arguments plus `covered` ([T] bool: not padding).
-    `block_order` permutes the q-blocks (padding blocks included) to show order is free."""
+    `block_order` permutes the q-blocks (padding blocks included) to show order is free;
+    `q_block` is the tokens per q-block (pass the same to varlen_attention)."""
     token_slot, token_pos, starts, lengths = [], [], [], []
     for slot, cached, length in spans:
         starts.append(len(token_slot))
@@ -57,7 +59,8 @@ def flat_batch(spans, *, heads, head_dim, dtype, device="cpu", padding_tokens=0,
     covered = [True] * len(token_slot) + [False] * padding_tokens
     token_slot += [0] * padding_tokens
     token_pos += [0] * padding_tokens
-    block_start, block_len = q_blocks(lengths, starts, max_q_blocks(len(token_slot), len(spans)))
+    num_blocks = max_q_blocks(len(token_slot), len(spans), q_block)
+    block_start, block_len = q_blocks(lengths, starts, num_blocks, q_block)
     if block_order is not None:
         block_start = [block_start[i] for i in block_order]
         block_len = [block_len[i] for i in block_order]
@@ -70,3 +73,17 @@ def flat_batch(spans, *, heads, head_dim, dtype, device="cpu", padding_tokens=0,
     return {"q": q, "token_slot": ints(token_slot), "token_pos": ints(token_pos),
             "q_block_start": ints(block_start), "q_block_len": ints(block_len),
             "covered": torch.tensor(covered, device=device)}
+
+
+def capture_after_warmup(step) -> torch.cuda.CUDAGraph:
+    """Run `step` once on a side stream (Triton compiles and loads outside the capture), then
+    capture it into a CUDA graph and return the graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph

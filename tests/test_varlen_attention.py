@@ -65,24 +65,25 @@ def span_mixes(draw):
     page=st.sampled_from([8, PAGE, 32]),
     permuted=st.booleans(),
     num_splits=st.sampled_from([1, 2, 3]),
+    q_block=st.sampled_from([4, Q_BLOCK]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     data=st.data(),
 )
 def test_triton_matches_reference_and_naive_loop(spans, group, kv_heads, padding_tokens, page, permuted,
-                                                 num_splits, dtype, data):
+                                                 num_splits, q_block, dtype, data):
     heads = group * kv_heads
     num_tokens = sum(length for *_, length in spans) + padding_tokens
-    order = data.draw(st.permutations(range(max_q_blocks(num_tokens, len(spans)))), label="block order")
+    order = data.draw(st.permutations(range(max_q_blocks(num_tokens, len(spans), q_block))), label="block order")
     batch = flat_batch(spans, heads=heads, head_dim=HEAD_DIM, dtype=dtype, padding_tokens=padding_tokens,
-                       block_order=order)
+                       block_order=order, q_block=q_block)
     k_logical, v_logical = random_cache(NUM_SLOTS, MAX_SEQ_LEN, kv_heads, HEAD_DIM, dtype)
     if permuted:
         (k_cache, table), (v_cache, _) = (permuted_pages(c, page, seed=3) for c in (k_logical, v_logical))
     else:
         k_cache, v_cache, table = k_logical, v_logical, identity_block_table(NUM_SLOTS, MAX_SEQ_LEN, page)
 
-    expected = run(batch, k_cache, v_cache, table, backend="torch")
-    got = run(batch, k_cache, v_cache, table, backend="triton", num_splits=num_splits)
+    expected = run(batch, k_cache, v_cache, table, backend="torch", q_block=q_block)
+    got = run(batch, k_cache, v_cache, table, backend="triton", num_splits=num_splits, q_block=q_block)
     covered = batch["covered"]
     assert_padding_untouched(expected, covered)
     assert_padding_untouched(got, covered)
@@ -129,16 +130,29 @@ def test_padding_tokens_are_left_as_they_were():
         assert_padding_untouched(out, batch["covered"])
 
 
+@pytest.mark.parametrize("q_block", [1, Q_BLOCK])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_all_decode_batch_equals_decode_reference(dtype):
+def test_all_decode_batch_equals_decode_reference(dtype, q_block):
     rows = [(1, 0), (2, 61), (3, MAX_SEQ_LEN - 1), (4, 64), (0, 0)]
-    batch, k_cache, v_cache, table = small_case(dtype, spans=[(slot, pos, 1) for slot, pos in rows])
+    batch, k_cache, v_cache, table = small_case(dtype, spans=[(slot, pos, 1) for slot, pos in rows], q_block=q_block)
+    assert batch["q_block_len"].shape[0] == len(rows)  # decode-only: one block per token, no padding
     expected = decode_attention_reference(batch["q"], k_cache, v_cache, batch["token_slot"], batch["token_pos"],
                                           scale=0.25)
-    assert torch.equal(run(batch, k_cache, v_cache, table, backend="torch"), expected)
+    assert torch.equal(run(batch, k_cache, v_cache, table, backend="torch", q_block=q_block), expected)
     for num_splits in (1, 2):
-        got = run(batch, k_cache, v_cache, table, backend="triton", num_splits=num_splits)
+        got = run(batch, k_cache, v_cache, table, backend="triton", num_splits=num_splits, q_block=q_block)
         torch.testing.assert_close(got, expected, atol=TOLERANCE[dtype], rtol=0)
+
+
+def test_longer_blocks_than_q_block_are_clamped_to_it():
+    # A caller bug (a block of 20 tokens with q_block 4) computes the first 4 tokens and
+    # leaves the rest untouched, in both backends: no row outside the built ones is written.
+    batch, k_cache, v_cache, table = small_case(spans=[(1, 0, 20)])
+    bad = {**batch, "q_block_start": torch.tensor([0], dtype=torch.int32),
+           "q_block_len": torch.tensor([20], dtype=torch.int32)}
+    for backend in ("torch", "triton"):
+        out = run(bad, k_cache, v_cache, table, backend=backend, q_block=4)
+        assert torch.isfinite(out[:4]).all() and out[4:].isnan().all()
 
 
 @pytest.mark.parametrize("cached", [0, 37])
@@ -190,6 +204,9 @@ def test_q_blocks_split_spans_and_pad():
     starts, lens = q_blocks([1, 40, 16, 3], [0, 1, 41, 57], num_blocks=8)
     assert starts == [0, 1, 1 + Q_BLOCK, 1 + 2 * Q_BLOCK, 41, 57, 0, 0]
     assert lens == [1, Q_BLOCK, Q_BLOCK, 40 - 2 * Q_BLOCK, 16, 3, 0, 0]
+    assert q_blocks([1, 5], [0, 1], q_block=2) == ([0, 1, 3, 5], [1, 2, 2, 1])
+    with pytest.raises(ValueError, match="q_block must be"):
+        q_blocks([1], [0], q_block=0)
     with pytest.raises(ValueError, match="max_q_blocks"):
         q_blocks([40], [0], num_blocks=2)
     with pytest.raises(ValueError, match="length >= 1"):
@@ -199,15 +216,17 @@ def test_q_blocks_split_spans_and_pad():
 
 
 @settings(max_examples=50, deadline=None)
-@given(lengths=st.lists(st.integers(1, 100), min_size=1, max_size=20), spare=st.integers(0, 40))
-def test_max_q_blocks_bounds_every_batch_of_its_bucket(lengths, spare):
+@given(lengths=st.lists(st.integers(1, 100), min_size=1, max_size=20), spare=st.integers(0, 40),
+       q_block=st.sampled_from([1, 3, Q_BLOCK]))
+def test_max_q_blocks_bounds_every_batch_of_its_bucket(lengths, spare, q_block):
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     tokens = sum(lengths) + spare
-    block_start, block_len = q_blocks(lengths, starts, num_blocks=max_q_blocks(tokens, len(lengths)))
+    num_blocks = max_q_blocks(tokens, len(lengths), q_block)
+    block_start, block_len = q_blocks(lengths, starts, num_blocks, q_block)
     # Every token of every span in exactly one block of one span.
     covered = sorted(t for start, length in zip(block_start, block_len) for t in range(start, start + length))
     assert covered == list(range(sum(lengths)))
-    assert all(0 <= length <= Q_BLOCK for length in block_len)
+    assert all(0 <= length <= q_block for length in block_len)
 
 
 def test_identity_block_table():

@@ -225,11 +225,19 @@ def decode_attention_reference(
     _check_out(out, q)
     length = k_cache.shape[1] if max_len is None else max_len
     _check_max_len(length, k_cache.shape[1], "max_len")
-    n, h, d = q.shape
-    kv_heads = k_cache.shape[2]
     slots = slots.long()
     keys = k_cache[:, :length].index_select(0, slots)  # [n, L, kvh, d]
     values = v_cache[:, :length].index_select(0, slots)  # [n, L, kvh, d]
+    result = attend_gathered(q, keys, values, positions, scale)
+    return result if out is None else out.copy_(result)
+
+
+def attend_gathered(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """The references' math once each row has its own keys: q `[n, h, d]`, keys and values
+    `[n, L, kvh, d]`; row i attends `keys[i, 0 : positions[i] + 1]`. Returns `[n, h * d]`."""
+    n, h, d = q.shape
+    length, kv_heads = keys.shape[1:3]
     # Additive mask from a position comparison, not boolean indexing: [n, L].
     visible = torch.arange(length, device=q.device)[None, :] <= positions.long()[:, None]
     mask = torch.where(visible, 0.0, float("-inf"))
@@ -238,8 +246,7 @@ def decode_attention_reference(
     scores = torch.einsum("nkgd,nskd->nkgs", grouped, keys).float()  # [n, kvh, g, L]
     scores = scores * scale + mask[:, None, None, :]
     probs = scores.softmax(dim=-1).to(values.dtype)
-    result = torch.einsum("nkgs,nskd->nkgd", probs, values).reshape(n, h * d)
-    return result if out is None else out.copy_(result)
+    return torch.einsum("nkgs,nskd->nkgd", probs, values).reshape(n, h * d)
 
 
 def _decode_attention_triton(q, k_cache, v_cache, slots, positions, scale, out, workspace, num_splits):

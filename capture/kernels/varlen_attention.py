@@ -11,8 +11,9 @@ The cache `[num_slots, max_seq_len, kvh, d]` is read as pages: viewed as
 `block_table[s, p // page]`, row `p % page`. The page size is `max_seq_len // pages_per_slot`
 (the table's width), so a paged cache or shared prefixes need a new table, not a new kernel.
 
-Work comes in q-blocks, built on the host (`q_blocks`): up to `Q_BLOCK` consecutive flat tokens
-of one span. Grid `(num_blocks, kvh, num_splits)`: a program stacks its block's tokens x the
+Work comes in q-blocks, built on the host (`q_blocks`): up to `q_block` consecutive flat tokens
+of one span (`Q_BLOCK` by default; a static per-bucket choice: decode-only buckets can use 1,
+so their programs do the old decode kernel's work and no more). Grid `(num_blocks, kvh, num_splits)`: a program stacks its block's tokens x the
 query heads of one KV head as the M rows of `tl.dot` (so K/V tiles are read once per group and
 block), walks key tiles `split, split + S, ...` up to the block's last position with an online
 softmax in float32, and masks each row at its own position. A block of length 0 is padding and
@@ -38,11 +39,11 @@ from graphrelay.capture.kernels.attention import (
     _check_max_len,
     _check_out,
     _sm_count,
-    decode_attention_reference,
+    attend_gathered,
     pick_num_splits,
 )
 
-Q_BLOCK = 16  # query tokens per q-block: with the GQA group they make the dot's M (>= 16)
+Q_BLOCK = 16  # default query tokens per q-block: with the GQA group they make the dot's M
 PAGE = 16  # default page size of `identity_block_table`; the kernel takes any size from the table
 # Key rows the reference gathers at once (per K and V): bounds its memory whatever T is.
 _REFERENCE_KEY_ROWS = 1 << 16
@@ -54,21 +55,23 @@ def _varlen_split_kernel(
     out_ptr, part_ptr, lse_ptr,
     stride_qt, stride_qh, stride_kp, stride_kh, stride_vp, stride_vh, stride_table, stride_ot,
     num_slots, max_seq_len, qk_scale,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK: tl.constexpr, PAGE: tl.constexpr, SINGLE: tl.constexpr, PRECISION: tl.constexpr,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, Q_TOKENS: tl.constexpr, ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr, SINGLE: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
 
-    count = tl.load(block_len_ptr + block).to(tl.int32)
+    # A length past Q_TOKENS breaks the caller's contract; the clamp keeps it to the rows built.
+    count = tl.minimum(tl.load(block_len_ptr + block).to(tl.int32), Q_TOKENS)
     if count <= 0:
         return
     first = tl.load(block_start_ptr + block).to(tl.int64)
 
     # Row r of the dot is token r // GROUP of the block, query head r % GROUP of this KV
-    # head's group; ROWS pads Q_BLOCK * GROUP to a power of two (the pad rows are past count).
+    # head's group; ROWS pads Q_TOKENS * GROUP to a power of two >= 16 (pad rows: past count).
     r = tl.arange(0, ROWS)
     row_ok = r // GROUP < count
     token = first + r // GROUP
@@ -137,11 +140,11 @@ def _varlen_split_kernel(
 @triton.jit
 def _varlen_combine_kernel(
     block_start_ptr, block_len_ptr, part_ptr, lse_ptr, out_ptr, stride_ot, num_splits,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, Q_ROWS: tl.constexpr,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, Q_TOKENS: tl.constexpr, Q_ROWS: tl.constexpr,
 ):
     block = tl.program_id(0)
     head = tl.program_id(1)
-    count = tl.load(block_len_ptr + block).to(tl.int32)
+    count = tl.minimum(tl.load(block_len_ptr + block).to(tl.int32), Q_TOKENS)
     if count <= 0:
         return
     r = tl.arange(0, Q_ROWS)
@@ -170,17 +173,25 @@ def _varlen_combine_kernel(
 # Host helpers: q-blocks, block tables, split count, workspace
 
 
-def max_q_blocks(tokens: int, spans: int) -> int:
+def _check_q_block(q_block: int) -> None:
+    if not isinstance(q_block, int) or isinstance(q_block, bool) or q_block < 1:
+        raise ValueError(f"q_block must be a positive int (tokens per q-block), got {q_block!r}")
+
+
+def max_q_blocks(tokens: int, spans: int, q_block: int = Q_BLOCK) -> int:
     """Static q-block count that any batch of at most `tokens` tokens in at most `spans` spans
-    fits: sum(ceil(n_i / Q_BLOCK)) <= sum(n_i // Q_BLOCK + 1) <= tokens // Q_BLOCK + spans."""
-    return tokens // Q_BLOCK + spans
+    fits: sum(ceil(n_i / q)) <= sum(n_i // q + 1) <= tokens // q + spans, and <= tokens
+    (a decode-only bucket needs exactly one block per token)."""
+    _check_q_block(q_block)
+    return min(tokens, tokens // q_block + spans)
 
 
-def q_blocks(span_lengths: list[int], span_starts: list[int],
-             num_blocks: int | None = None) -> tuple[list[int], list[int]]:
+def q_blocks(span_lengths: list[int], span_starts: list[int], num_blocks: int | None = None,
+             q_block: int = Q_BLOCK) -> tuple[list[int], list[int]]:
     """Split spans (flat token ranges `[start, start + length)`) into q-blocks of at most
-    Q_BLOCK tokens: returns `(starts, lens)` as host lists. With `num_blocks` (the bucket's
+    `q_block` tokens: returns `(starts, lens)` as host lists. With `num_blocks` (the bucket's
     `max_q_blocks`), pads with `(0, 0)` blocks to exactly that many."""
+    _check_q_block(q_block)
     if len(span_lengths) != len(span_starts):
         raise ValueError(f"span_lengths and span_starts differ in length: "
                          f"{len(span_lengths)} vs {len(span_starts)}")
@@ -189,13 +200,13 @@ def q_blocks(span_lengths: list[int], span_starts: list[int],
     for length, start in zip(span_lengths, span_starts):
         if length < 1 or start < 0:
             raise ValueError(f"a span needs length >= 1 and start >= 0, got length {length} at {start}")
-        for offset in range(0, length, Q_BLOCK):
+        for offset in range(0, length, q_block):
             starts.append(start + offset)
-            lens.append(min(Q_BLOCK, length - offset))
+            lens.append(min(q_block, length - offset))
     if num_blocks is not None:
         if len(starts) > num_blocks:
             raise ValueError(f"the spans need {len(starts)} q-blocks, more than num_blocks={num_blocks}: "
-                             f"size num_blocks with max_q_blocks(tokens, spans)")
+                             f"size num_blocks with max_q_blocks(tokens, spans, q_block)")
         padding = num_blocks - len(starts)
         starts += [0] * padding
         lens += [0] * padding
@@ -237,7 +248,8 @@ class VarlenWorkspace(AttentionWorkspace):
     def for_buckets(cls, buckets: Iterable[tuple[int, int]], heads: int, kv_heads: int, head_dim: int,
                     max_seq_len: int, device: torch.device | str, sm_count: int | None = None) -> VarlenWorkspace:
         """Sized for every `(tokens, spans)` bucket under the automatic split count at
-        `max_seq_len` keys (`sm_count`: the device's, unless given)."""
+        `max_seq_len` keys (`sm_count`: the device's, unless given), with q-blocks of at most
+        Q_BLOCK tokens (smaller ones only mean more blocks, so fewer splits)."""
         sm_count = _sm_count(torch.device(device)) if sm_count is None else sm_count
         needs = [(tokens, pick_varlen_splits(max_q_blocks(tokens, spans), kv_heads, max_seq_len, sm_count))
                  for tokens, spans in buckets]
@@ -297,10 +309,11 @@ def _check_varlen_args(q, k_cache, v_cache, block_table, token_slot, token_pos,
     return length
 
 
-def _covered_tokens(num_tokens: int, q_block_start: torch.Tensor, q_block_len: torch.Tensor) -> torch.Tensor:
+def _covered_tokens(num_tokens: int, q_block_start: torch.Tensor, q_block_len: torch.Tensor,
+                    q_block: int) -> torch.Tensor:
     """`[T]` bool: which tokens some q-block covers. Fixed-shape: rows past a block's length
     are scattered into a spare cell T, which is dropped."""
-    row = torch.arange(Q_BLOCK, device=q_block_start.device)
+    row = torch.arange(q_block, device=q_block_start.device)
     tokens = q_block_start.long()[:, None] + row
     tokens = torch.where(row < q_block_len.long()[:, None], tokens, num_tokens).clamp(0, num_tokens)
     covered = torch.zeros(num_tokens + 1, dtype=torch.bool, device=q_block_start.device)
@@ -311,11 +324,13 @@ def varlen_attention_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     token_slot: torch.Tensor, token_pos: torch.Tensor, q_block_start: torch.Tensor,
     q_block_len: torch.Tensor, *, scale: float, out: torch.Tensor, max_len: int | None = None,
+    q_block: int = Q_BLOCK,
 ) -> torch.Tensor:
     """Pure-torch varlen attention; fixed-shape (T tokens x `max_len` keys), no host reads.
 
     Each token gathers its slot's first `max_len` logical rows through the block table, then
-    the decode reference's math runs on them, a bounded chunk of tokens at a time. Writes the
+    the decode reference's math (`attend_gathered`) runs on them, a bounded chunk of tokens at
+    a time, so memory stays bounded whatever T is. Writes the
     covered tokens of `out` and returns it.
     """
     length = _check_varlen_args(q, k_cache, v_cache, block_table, token_slot, token_pos,
@@ -323,12 +338,14 @@ def varlen_attention_reference(
     num_tokens = q.shape[0]
     kv_heads, head_dim = k_cache.shape[2:]
     page = k_cache.shape[1] // block_table.shape[1]
-    covered = _covered_tokens(num_tokens, q_block_start, q_block_len)
+    _check_q_block(q_block)
+    covered = _covered_tokens(num_tokens, q_block_start, q_block_len, q_block)
     # Uncovered tokens may carry any value; read them as slot 0, position 0.
     slots = torch.where(covered, token_slot.long(), 0)
     positions = torch.where(covered, token_pos.long(), 0)
     keys = torch.arange(length, device=q.device)
-    cache_rows = [cache.view(-1, kv_heads, head_dim) for cache in (k_cache, v_cache)]
+    # Rows of the cache viewed as [num_slots * max_seq_len]; 2-D, the fastest gather.
+    cache_rows = [cache.view(-1, kv_heads * head_dim) for cache in (k_cache, v_cache)]
     table = block_table.long()
     result = torch.empty_like(out)
     chunk = max(1, _REFERENCE_KEY_ROWS // length)
@@ -336,14 +353,12 @@ def varlen_attention_reference(
         part = slice(begin, begin + chunk)
         rows = (table.index_select(0, slots[part])[:, keys // page] * page + keys % page).flatten()
         gathered = [c.index_select(0, rows).view(-1, length, kv_heads, head_dim) for c in cache_rows]
-        count = gathered[0].shape[0]
-        decode_attention_reference(q[part], *gathered, torch.arange(count, device=q.device), positions[part],
-                                   scale=scale, out=result[part])
+        result[part] = attend_gathered(q[part], *gathered, positions[part], scale)
     return out.copy_(torch.where(covered[:, None], result, out))
 
 
 def _launch_triton(q, k_cache, v_cache, block_table, token_slot, token_pos, q_block_start,
-                   q_block_len, scale, out, workspace, num_splits):
+                   q_block_len, scale, out, workspace, num_splits, q_block):
     num_tokens, heads, head_dim = q.shape
     num_slots, max_seq_len, kv_heads = k_cache.shape[:3]
     group = heads // kv_heads
@@ -370,7 +385,8 @@ def _launch_triton(q, k_cache, v_cache, block_table, token_slot, token_pos, q_bl
         out, partial, lse,
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0), out.stride(0), num_slots, max_seq_len, scale * _LOG2E,
-        NUM_HEADS=heads, GROUP=group, ROWS=triton.next_power_of_2(Q_BLOCK * group), HEAD_DIM=head_dim,
+        NUM_HEADS=heads, GROUP=group, Q_TOKENS=q_block, ROWS=max(16, triton.next_power_of_2(q_block * group)),
+        HEAD_DIM=head_dim,
         BLOCK=BLOCK_N, PAGE=max_seq_len // block_table.shape[1], SINGLE=num_splits == 1,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=2,
@@ -378,7 +394,8 @@ def _launch_triton(q, k_cache, v_cache, block_table, token_slot, token_pos, q_bl
     if num_splits > 1:
         _varlen_combine_kernel[(num_blocks, heads)](
             q_block_start, q_block_len, partial, lse, out, out.stride(0), num_splits,
-            NUM_HEADS=heads, HEAD_DIM=head_dim, Q_ROWS=Q_BLOCK, num_warps=2,
+            NUM_HEADS=heads, HEAD_DIM=head_dim, Q_TOKENS=q_block, Q_ROWS=triton.next_power_of_2(q_block),
+            num_warps=2,
         )
     return out
 
@@ -388,12 +405,13 @@ def varlen_attention(
     token_slot: torch.Tensor, token_pos: torch.Tensor, q_block_start: torch.Tensor,
     q_block_len: torch.Tensor, *, scale: float, out: torch.Tensor,
     workspace: VarlenWorkspace | None = None, num_splits: int | None = None,
-    max_len: int | None = None, backend: str | None = None,
+    max_len: int | None = None, q_block: int = Q_BLOCK, backend: str | None = None,
 ) -> torch.Tensor:
     """Attention of a flat batch of T query tokens over the paged slot cache; capturable.
 
     q `[T, h, d]` (the cache's dtype); token_slot, token_pos `[T]`; q_block_start,
-    q_block_len `[num_blocks]` from `q_blocks` (host) padded to `max_q_blocks`; block_table
+    q_block_len `[num_blocks]` from `q_blocks` (host) padded to `max_q_blocks`, with the same
+    static `q_block` (tokens per block) as given here; block_table
     `[num_slots, pages_per_slot]`; all int32/int64 on q's device. Writes `out` `[T, h * d]`
     for the tokens the q-blocks cover and returns it.
 
@@ -406,11 +424,13 @@ def varlen_attention(
     backend = backend or ("triton" if q.is_cuda else "torch")
     if backend == "torch":
         return varlen_attention_reference(q, k_cache, v_cache, block_table, token_slot, token_pos,
-                                          q_block_start, q_block_len, scale=scale, out=out, max_len=max_len)
+                                          q_block_start, q_block_len, scale=scale, out=out, max_len=max_len,
+                                          q_block=q_block)
     if backend != "triton":
         raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
     length = _check_varlen_args(q, k_cache, v_cache, block_table, token_slot, token_pos,
                                 q_block_start, q_block_len, out, max_len)
+    _check_q_block(q_block)
     if num_splits is None:
         num_splits = pick_varlen_splits(q_block_start.shape[0], k_cache.shape[2], length, _sm_count(q.device))
         if workspace is not None:
@@ -418,4 +438,4 @@ def varlen_attention(
     elif not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     return _launch_triton(q, k_cache, v_cache, block_table, token_slot, token_pos, q_block_start,
-                          q_block_len, scale, out, workspace, num_splits)
+                          q_block_len, scale, out, workspace, num_splits, q_block)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attention_cases import capture_after_warmup
 from graphrelay.capture.kernels.attention import (
     MAX_SPLITS,
     AttentionWorkspace,
@@ -69,14 +70,7 @@ def test_captured_decode_replays_like_eager(bs):
     def step():
         decode_attention(q, k_cache, v_cache, slots, positions, scale=SCALE, out=out, workspace=workspace)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_after_warmup(step)
 
     # New contexts, longer and shorter than the captured ones, written into the same tensors.
     generator = torch.Generator(DEVICE).manual_seed(7)
