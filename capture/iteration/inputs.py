@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from graphrelay.capture.iteration.spans import Span
-from graphrelay.capture.kernels.varlen_attention import max_q_blocks, q_blocks
+from graphrelay.capture.kernels.varlen_attention import Q_BLOCK, max_q_blocks, q_blocks
 from graphrelay.runtime import Event
 
 _ALIGN = 16  # bytes: every field view starts 16-byte aligned
@@ -37,6 +37,7 @@ class Geometry(NamedTuple):
     spans: int  # R (the padding span is index R)
     rows: int  # S = R * rows_per_span
     q_blocks: int  # NB
+    q_block: int  # tokens per query block of the attention
 
 
 class InputsView(NamedTuple):
@@ -100,8 +101,11 @@ class IterationInputs:
         self.device = torch.device(device)
         self.on_gpu = self.device.type == "cuda"
         top = self.geometry(max_tokens)
+        # Query blocks grow with the bucket within each q_block regime: the largest
+        # one-token-per-block bucket or the largest bucket needs the most.
+        blocks = max(top.q_blocks, self.geometry(min(max_tokens, max_spans * rows_per_span)).q_blocks)
         self._sizes = {"ids": max_tokens + 1, "tokens": max_tokens, "spans": top.spans + 1, "rows": top.rows,
-                       "blocks": top.q_blocks}
+                       "blocks": blocks}
         offsets, end = {}, 0
         for name, (dtype, level, _) in _FIELDS.items():
             offsets[name] = end
@@ -120,7 +124,11 @@ class IterationInputs:
 
     def geometry(self, tokens: int) -> Geometry:
         spans = min(tokens, self.max_spans)
-        return Geometry(tokens, spans, spans * self.rows_per_span, max_q_blocks(tokens, spans))
+        # Buckets a decode-only iteration can fill give every token its own query block (one
+        # program reads a slot's keys for one token's GQA group, as a decode kernel would);
+        # larger ones, which carry prompt chunks, share each key tile among Q_BLOCK tokens.
+        q_block = 1 if tokens <= self.max_spans * self.rows_per_span else Q_BLOCK
+        return Geometry(tokens, spans, spans * self.rows_per_span, max_q_blocks(tokens, spans, q_block), q_block)
 
     def _views(self, raw: torch.Tensor) -> InputsView:
         return InputsView(**{
@@ -192,7 +200,7 @@ class IterationInputs:
         for r, span in enumerate(spans):
             if span.tokens:
                 host["ids"][q_start[r]: q_start[r] + lengths[r]] = span.tokens
-        block_start, block_len = q_blocks(lengths, starts[:-1].tolist())
+        block_start, block_len = q_blocks(lengths, starts[:-1].tolist(), q_block=g.q_block)
         host["q_block_start"][: len(block_start)] = block_start
         host["q_block_len"][: len(block_len)] = block_len
 

@@ -99,7 +99,7 @@ class IterationStep:
         drafts = None
         if self.spec is not None:
             drafts = self._draft(v, R, slots, positions, base)
-        hidden = self.model.forward(ids[:tokens], slots, positions, v.q_block_start, v.q_block_len)
+        hidden = self.model.forward(ids[:tokens], slots, positions, v.q_block_start, v.q_block_len, g.q_block)
         row_positions = positions.index_select(0, v.row_token)  # [S]: each row's sampling step
         logits = self.model.logits(hidden.index_select(0, v.row_token), out=self.logits[: g.rows])
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import msgspec
 import torch
 
-from graphrelay.capture.kernels.varlen_attention import PAGE, VarlenWorkspace, identity_block_table, q_blocks, varlen_attention
+from graphrelay.capture.kernels.varlen_attention import PAGE, Q_BLOCK, VarlenWorkspace, identity_block_table, q_blocks, varlen_attention
 from graphrelay.capture.kernels import layer_kernels as kernels
 from graphrelay.capture.model.kv_cache import KVCache
 from graphrelay.config import DTYPES
@@ -308,7 +308,7 @@ class LlamaModel:
     @torch.no_grad()
     def forward(
         self, ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-        q_block_start: torch.Tensor, q_block_len: torch.Tensor,
+        q_block_start: torch.Tensor, q_block_len: torch.Tensor, q_block: int = Q_BLOCK,
     ) -> torch.Tensor:
         """One flat batch of T query tokens of any span kinds; returns the final-normed hidden
         states [T, hidden]. Capturable: fixed shape in T, nothing read on the host.
@@ -316,7 +316,8 @@ class LlamaModel:
         ids, slots, positions [T] int64: token t is `ids[t]` at `positions[t]` of `slots[t]`;
         it writes its K/V there and attends that slot's positions 0..positions[t]. The tokens
         of one span are consecutive and `q_block_start / q_block_len` [NB] int32 split them
-        into the attention kernel's query blocks (`capture.kernels.varlen_attention`).
+        into the attention kernel's query blocks of at most `q_block` tokens
+        (`capture.kernels.varlen_attention`).
         Padding tokens use slot 0 and belong to no block.
         """
         c = self.shard
@@ -324,7 +325,7 @@ class LlamaModel:
         def attend(index: int, q: torch.Tensor) -> torch.Tensor:  # q [T, h, d]
             return varlen_attention(
                 q, self.kv_cache.keys[index], self.kv_cache.values[index], self.block_table, slots, positions,
-                q_block_start, q_block_len, scale=self.scale, workspace=self.attention_workspace,
+                q_block_start, q_block_len, scale=self.scale, workspace=self.attention_workspace, q_block=q_block,
                 out=torch.empty(q.shape[0], c.num_heads * c.head_dim, dtype=q.dtype, device=q.device),
             )
 
@@ -400,7 +401,7 @@ class LlamaModel:
                                 or out.device != self.device):
             raise ValueError(f"decode out must be a float32 [{bs}, {self.config.vocab_size}] tensor on {self.device}")
         rows = torch.arange(bs, dtype=torch.int32, device=self.device)
-        hidden = self.forward(tokens.long(), slots.long(), seq_lens.long(), rows, torch.ones_like(rows))
+        hidden = self.forward(tokens.long(), slots.long(), seq_lens.long(), rows, torch.ones_like(rows), q_block=1)
         return self.logits(hidden, out)
 
     # ----------------------------------------------------------------------------------------
