@@ -57,7 +57,7 @@ def _varlen_split_kernel(
     num_slots, max_seq_len, qk_scale,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, Q_TOKENS: tl.constexpr, ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr, SINGLE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, NATIVE_DOT: tl.constexpr,
 ):
     block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -87,11 +87,14 @@ def _varlen_split_kernel(
     last = tl.max(pos, 0)
     num_pages = num_slots * (max_seq_len // PAGE)
 
-    # Dots run on float32 operands: bf16/fp16 values are exact in tf32, so with PRECISION
-    # "tf32" this equals a bf16 dot with float32 accumulation (and Triton's interpreter
-    # mis-multiplies bf16 dots). Float32 models use "ieee" to keep reference accuracy.
+    # NATIVE_DOT (bf16/fp16 on a GPU): the tensor cores take the cache dtype with float32
+    # accumulation. Otherwise dots run on float32 operands: bf16/fp16 values are exact in
+    # tf32, so PRECISION "tf32" gives the same products (Triton's interpreter mis-multiplies
+    # bf16 dots), and float32 models use "ieee" to keep reference accuracy.
     q = tl.load(q_ptr + token[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0).to(tl.float32)  # [ROWS, D]
+                mask=row_ok[:, None], other=0.0)  # [ROWS, D]
+    if not NATIVE_DOT:
+        q = q.to(tl.float32)
     table_row = table_ptr + slot * stride_table
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
@@ -106,7 +109,10 @@ def _varlen_split_kernel(
         page = tl.where((page >= 0) & (page < num_pages), page, 0)
         at = page * PAGE + keys % PAGE  # row of the cache viewed as [num_slots * max_seq_len]
         k = tl.load(k_base + at[:, None] * stride_kp + d[None, :], mask=key_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION)
+        if NATIVE_DOT:
+            s = tl.dot(q, tl.trans(k))
+        else:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION)
         s = tl.where(keys[None, :] <= pos[:, None], s * qk_scale, float("-inf"))  # [ROWS, BLOCK]
         m_new = tl.maximum(m, tl.max(s, 1))
         # A row may see no key yet: a tile past its position (earlier tokens of a prefill
@@ -118,8 +124,11 @@ def _varlen_split_kernel(
         l = l * alpha + tl.sum(p, 1)
         v = tl.load(v_base + at[:, None] * stride_vp + d[None, :], mask=key_ok[:, None], other=0.0)
         # Probabilities rounded to the value dtype, as the reference casts them for its einsum.
-        p = p.to(v.dtype).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+        p = p.to(v.dtype)
+        if NATIVE_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p, v)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision=PRECISION)
         m = m_new
 
     seen = l > 0
@@ -389,6 +398,7 @@ def _launch_triton(q, k_cache, v_cache, block_table, token_slot, token_pos, q_bl
         HEAD_DIM=head_dim,
         BLOCK=BLOCK_N, PAGE=max_seq_len // block_table.shape[1], SINGLE=num_splits == 1,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        NATIVE_DOT=q.is_cuda and q.dtype != torch.float32,
         num_warps=4, num_stages=2,
     )
     if num_splits > 1:

@@ -5,9 +5,9 @@ engine.
 Shapes: prompts alone (1 x 128, 1 x 2048, 64 x 128 tokens: the last is cut into iterations of
 the token budget, and its figure is their total), decode spans alone (1, 64, 256 requests), and
 a mixed iteration (256 decodes beside a 512-token prompt chunk). Each is launched through
-`Engine.launch` (staging, one copy, the graph replay of its bucket) and timed with CUDA events
-on the engine's stream, GPU time per shape and the host time of the launch call beside it,
-the median of `--repeats`. TTFT: host time from `launch` of a 128-token prompt to its first
+`Engine.launch` (staging, one copy, the graph replay of its bucket), `--repeats` times back
+to back, and timed with CUDA events on the engine's stream: GPU time per shape, with the host
+time of the launch calls beside it. TTFT: host time from `launch` of a 128-token prompt to its first
 token read from the host mirror, the engine otherwise idle.
 """
 
@@ -123,26 +123,30 @@ def _prefill(engine: Engine, slots: list[int]) -> None:
 
 
 def _time(engine: Engine, name: str, iterations: list[list[Span]], repeats: int) -> dict[str, Any]:
-    gpu, host = [], []
+    """GPU time per repeat of `iterations`, launched back to back as a busy loop launches them
+    (the host stages the next while the GPU runs this one, so launch overhead is hidden unless
+    the host is slower), and the host time of the launch calls."""
     on_gpu = engine.on_gpu
+    last = None
+    for spans in iterations:  # warm-up
+        last = engine.launch(spans)
+    engine.read(last, block=True)
     start, end = (Event(timing=True, device=engine.device) for _ in range(2)) if on_gpu else (None, None)
-    for _ in range(repeats + 1):  # the first is a warm-up
-        if on_gpu:
-            engine.stream.synchronize()
-            start.record(engine.stream)
-        t0 = time.perf_counter()
-        last = None
+    if on_gpu:
+        start.record(engine.stream)
+    t0, launching = time.perf_counter(), 0.0
+    for _ in range(repeats):
         for spans in iterations:
+            t = time.perf_counter()
             last = engine.launch(spans)
-        launched = time.perf_counter() - t0
-        if on_gpu:
-            end.record(engine.stream)
-        engine.read(last, block=True)
-        gpu.append(start.elapsed_ms(end) if on_gpu else (time.perf_counter() - t0) * 1e3)
-        host.append(launched * 1e3)
+            launching += time.perf_counter() - t
+    if on_gpu:
+        end.record(engine.stream)
+    engine.read(last, block=True)
+    total_ms = start.elapsed_ms(end) if on_gpu else (time.perf_counter() - t0) * 1e3
     tokens = sum(engine.span_tokens(s) for spans in iterations for s in spans)
     return {"shape": name, "iterations": len(iterations), "tokens": tokens,
-            "gpu_ms": statistics.median(gpu[1:]), "host_launch_ms": statistics.median(host[1:])}
+            "gpu_ms": total_ms / repeats, "host_launch_ms": launching * 1e3 / repeats}
 
 
 def time_to_first_token(engine: Engine, length: int, repeats: int) -> float:
