@@ -191,8 +191,25 @@ def test_smoke_sweep_over_http_writes_its_own_report(stub_server, tmp_path, caps
         assert p["ttft_ms"]["p50"] >= FIRST_TOKEN_S * 1e3
         assert p["latency_ms"]["p99"] >= p["ttft_ms"]["p99"]
         assert "loop" not in p  # no iteration figures from outside the server
-    assert report["targets"] == []
+    # No in-process results in --out to compare with: the HTTP targets are not measured.
+    assert [t["measured"] for t in report["targets"]] == [None, None]
+    assert "no in-process results for this workload" in capsys.readouterr().err
     assert (tmp_path / report["plot"]).read_bytes().startswith(b"\x89PNG")
+
+
+def test_http_targets_compare_with_the_in_process_run_of_the_same_workload(stub_server, tmp_path):
+    url, _ = stub_server
+    sweep = ["--smoke", "--rates", "100,inf", "--out", str(tmp_path)]
+    assert bench_main(["serve", *sweep]) == 0
+    assert bench_main(["serve", *sweep, "--url", url]) == 0
+    local, http = (json.loads((tmp_path / name).read_text()) for name in ("serve_bench.json", "serve_http_bench.json"))
+    added, ratio = (t["measured"] for t in http["targets"])
+    assert added == pytest.approx(http["points"][0]["ttft_ms"]["p50"] - local["points"][0]["ttft_ms"]["p50"])
+    assert ratio == pytest.approx(http["points"][1]["output_tokens_per_s"] / local["points"][1]["output_tokens_per_s"])
+    # Another workload (seed) does not compare with those in-process figures.
+    assert bench_main(["serve", *sweep, "--url", url, "--seed", "1"]) == 0
+    other = json.loads((tmp_path / "serve_http_bench.json").read_text())
+    assert [t["measured"] for t in other["targets"]] == [None, None]
 
 
 def test_a_failing_server_is_reported_not_raised(tmp_path, capsys):

@@ -13,6 +13,7 @@ highest rate whose TTFT p99 stays within the SLO (1 s by default). JSON and a PN
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -48,6 +49,8 @@ PROMPT_FORMATS = ("ids", "text")
 TARGET_RATE = 100.0
 TTFT_P50_LIMIT_MS, TTFT_P99_LIMIT_MS = 20.0, 100.0
 SLO_RATE_TARGET = 600.0
+# Issue 20's, over HTTP against the in-process figures.
+HTTP_ADDED_TTFT_MS, HTTP_THROUGHPUT_RATIO = 2.0, 0.9
 
 
 class Plan(msgspec.Struct, frozen=True):
@@ -156,8 +159,7 @@ def main(argv: list[str]) -> int:
         args = options.parse(build_parser(), argv)
         if isinstance(args, int):
             return args
-        plan = make_plan(args)
-        out = options.out_dir(args)
+        plan, out = make_plan(args), options.out_dir(args)
         if plan.url is not None:
             return run_over_http(plan, command, out)
         device = options.pick_device(plan.smoke, COMMAND)
@@ -171,7 +173,7 @@ def main(argv: list[str]) -> int:
     requests = make_requests(plan.requests, plan.lengths, plan.seed, loaded.config.vocab_size, loaded.codec)
     start = time.perf_counter()
     captured, points = run_in_process(plan, loaded, device, requests)
-    return finish(plan, command, out, device, points, start, JSON_NAME, PLOT_NAME,
+    return finish(plan, command, out, device, points, start, JSON_NAME, PLOT_NAME, serve_targets(points, plan),
                   {"mode": "in-process", "source": loaded.source, **msgspec.structs.asdict(captured)})
 
 
@@ -235,7 +237,8 @@ def run_over_http(plan: Plan, command: list[str], out) -> int:
         timings, duration = run_http(plan.url, model, at_rate(requests, unit, rate), prompts, plan.timeout_s)
         points.append({"rate": rate, **summarize(timings, duration)})
         say(point_line(points[-1]))
-    status = finish(plan, command, out, torch.device("cpu"), points, start, HTTP_JSON_NAME, HTTP_PLOT_NAME,
+    targets = http_targets(points, plan, out / JSON_NAME)
+    status = finish(plan, command, out, torch.device("cpu"), points, start, HTTP_JSON_NAME, HTTP_PLOT_NAME, targets,
                     {"mode": "http", "url": plan.url, "served_model": model})
     return 1 if any(p["failed"] for p in points) else status
 
@@ -244,10 +247,9 @@ def run_over_http(plan: Plan, command: list[str], out) -> int:
 
 
 def finish(plan: Plan, command: list[str], out, device: torch.device, points: list[dict[str, Any]], start: float,
-           json_name: str, plot_name: str, served: dict[str, Any]) -> int:
+           json_name: str, plot_name: str, targets: list[results.Target], served: dict[str, Any]) -> int:
     env = results.environment(device, command)
     best = highest_rate_within(points, plan.slo_ttft_ms)
-    targets = serve_targets(points, best, plan.slo_ttft_ms) if served["mode"] == "in-process" else []
     plot = save_plot(out / plot_name, points, plan.slo_ttft_ms, f"{served['mode']} on {env['device'] if plan.url is None else plan.url}")
     results.write_json(out / json_name, {
         "benchmark": "serve", "smoke": plan.smoke, "environment": env, "served": served,
@@ -265,14 +267,56 @@ def finish(plan: Plan, command: list[str], out, device: torch.device, points: li
     return 0
 
 
-def serve_targets(points: list[dict[str, Any]], best: Optional[float], slo_ms: float) -> list[results.Target]:
-    at = next((p for p in points if p["rate"] == TARGET_RATE), None)
+def serve_targets(points: list[dict[str, Any]], plan: Plan) -> list[results.Target]:
+    """Issue 18's, in process."""
+    at = _at_rate(points, TARGET_RATE)
     ttft = (lambda q: None) if at is None else (lambda q: at["ttft_ms"][q])
+    best = highest_rate_within(points, plan.slo_ttft_ms)
     return [
         results.Target(f"TTFT p50 at {TARGET_RATE:g} requests/s", TTFT_P50_LIMIT_MS, "ms", True, ttft("p50")),
         results.Target(f"TTFT p99 at {TARGET_RATE:g} requests/s", TTFT_P99_LIMIT_MS, "ms", True, ttft("p99")),
-        results.Target(f"highest rate with TTFT p99 <= {slo_ms:g} ms", SLO_RATE_TARGET, "requests/s", False, best),
+        results.Target(f"highest rate with TTFT p99 <= {plan.slo_ttft_ms:g} ms", SLO_RATE_TARGET, "requests/s", False, best),
     ]
+
+
+def http_targets(points: list[dict[str, Any]], plan: Plan, in_process_json) -> list[results.Target]:
+    """Issue 20's: the HTTP path against the in-process loop on the same workload, read from
+    the in-process results in the same --out folder; not measured without them."""
+    reference = in_process_points(in_process_json, plan)
+    if not reference:
+        say(f"no in-process results for this workload in {in_process_json}: run `{COMMAND}` with the same "
+            f"workload flags and --out first to compare the HTTP path with the loop")
+
+    def both(rate: float):
+        mine, theirs = _at_rate(points, rate), _at_rate(reference, rate)
+        return (mine, theirs) if mine is not None and theirs is not None and not mine["failed"] else None
+
+    at_target, at_once = both(TARGET_RATE), both(math.inf)
+    added = None if at_target is None else at_target[0]["ttft_ms"]["p50"] - at_target[1]["ttft_ms"]["p50"]
+    ratio = None if at_once is None else at_once[0]["output_tokens_per_s"] / at_once[1]["output_tokens_per_s"]
+    return [
+        results.Target(f"TTFT p50 added by HTTP at {TARGET_RATE:g} requests/s", HTTP_ADDED_TTFT_MS, "ms", True, added),
+        results.Target("output tokens/s, HTTP over in process, all at once", HTTP_THROUGHPUT_RATIO, "x", False, ratio),
+    ]
+
+
+WORKLOAD_KEYS = ("model", "weights", "gguf", "requests", "lengths", "seed")
+
+
+def in_process_points(path, plan: Plan) -> list[dict[str, Any]]:
+    """The points of an in-process results file that served this plan's workload, rates as
+    numbers again; [] when there is none or it served another workload."""
+    try:
+        earlier = json.loads(path.read_text())
+        workload = msgspec.json.decode(msgspec.json.encode({k: getattr(plan, k) for k in WORKLOAD_KEYS}))  # as JSON has it
+        same = all(earlier["plan"][k] == workload[k] for k in WORKLOAD_KEYS)
+        return [{**p, "rate": float(p["rate"])} for p in earlier["points"]] if same else []
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def _at_rate(points: list[dict[str, Any]], rate: float) -> Optional[dict[str, Any]]:
+    return next((p for p in points if p["rate"] == rate), None)
 
 
 def say(text: str) -> None:
