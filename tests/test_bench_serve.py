@@ -20,8 +20,9 @@ import torch
 
 from bench_cases import assert_needs_gpu, assert_usage_error
 from graphrelay.tools.bench import bench_main
-from graphrelay.tools.bench.serve import SMOKE, plot_panels, rate_list
+from graphrelay.tools.bench.serve import SMOKE, rate_list
 from graphrelay.tools.bench.serve_metrics import Timing, highest_rate_within, summarize
+from graphrelay.tools.bench.serve_report import plot_panels
 from graphrelay.tools.bench.serve_workload import Lengths, at_rate, make_requests, unit_arrivals
 
 QUANTILES = ("p50", "p90", "p99")

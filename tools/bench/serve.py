@@ -13,9 +13,7 @@ highest rate whose TTFT p99 stays within the SLO (1 s by default). JSON and a PN
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import sys
 import time
 from typing import Any, Optional
 
@@ -27,13 +25,13 @@ from graphrelay.capture.model.checkpoint import ModelFileError, resolve_gguf_pat
 from graphrelay.capture.model.model import MODEL_PRESETS, ModelConfig
 from graphrelay.capture.model.model_source import WEIGHT_SOURCES, LoadedModel, default_dtype, load_model, uses_gguf
 from graphrelay.capture.model.text import TextCodec
-from graphrelay.capture.serving.loop import ServingLoop
+from graphrelay.capture.serving.loop import RequestOutput, ServingLoop
 from graphrelay.capture.serving.workloads import Request
-from graphrelay.tools.bench import options, plots, results
-from graphrelay.tools.bench.serve_metrics import Timing, highest_rate_within, summarize
+from graphrelay.tools.bench import options
+from graphrelay.tools.bench.serve_metrics import Timing, summarize
+from graphrelay.tools.bench.serve_report import COMMAND, http_targets, point_line, say, serve_targets, write_report
 from graphrelay.tools.bench.serve_workload import Lengths, at_rate, make_requests, unit_arrivals
 
-COMMAND = "graphrelay bench serve"
 JSON_NAME = "serve_bench.json"  # in process
 HTTP_JSON_NAME = "serve_http_bench.json"  # --url: beside the in-process file, so both compare
 PLOT_NAME, HTTP_PLOT_NAME = "serve_bench.png", "serve_http_bench.png"
@@ -44,13 +42,6 @@ SMOKE = dict(model="tiny", weights="random", requests=12, prompt_len=(4, 16), ou
              rates="50,inf")
 WARM_OUTPUT_LEN = 8  # tokens per request in the untimed run: compiles and first-use allocations
 PROMPT_FORMATS = ("ids", "text")
-
-# Issue 18's targets for the default workload, in process.
-TARGET_RATE = 100.0
-TTFT_P50_LIMIT_MS, TTFT_P99_LIMIT_MS = 20.0, 100.0
-SLO_RATE_TARGET = 600.0
-# Issue 20's, over HTTP against the in-process figures.
-HTTP_ADDED_TTFT_MS, HTTP_THROUGHPUT_RATIO = 2.0, 0.9
 
 
 class Plan(msgspec.Struct, frozen=True):
@@ -83,11 +74,6 @@ def rate_list(text: str) -> list[float]:
             raise argparse.ArgumentTypeError(f"rate {part.strip()} must be > 0 requests/s (inf = all at once)")
         values.append(value)
     return sorted(set(values))
-
-
-def rate_label(rate: float) -> str:
-    return "inf" if math.isinf(rate) else f"{rate:g}"
-
 
 def positive_float(text: str) -> float:
     try:
@@ -173,8 +159,9 @@ def main(argv: list[str]) -> int:
     requests = make_requests(plan.requests, plan.lengths, plan.seed, loaded.config.vocab_size, loaded.codec)
     start = time.perf_counter()
     captured, points = run_in_process(plan, loaded, device, requests)
-    return finish(plan, command, out, device, points, start, JSON_NAME, PLOT_NAME, serve_targets(points, plan),
-                  {"mode": "in-process", "source": loaded.source, **msgspec.structs.asdict(captured)})
+    served = {"mode": "in-process", "source": loaded.source, **msgspec.structs.asdict(captured)}
+    write_report(plan, command, out, (JSON_NAME, PLOT_NAME), device, served, points, serve_targets(points, plan), start)
+    return 0
 
 
 # ---- in process ---------------------------------------------------------------------------
@@ -200,15 +187,15 @@ def run_in_process(plan: Plan, loaded: LoadedModel, device: torch.device, reques
     for rate in plan.rates:
         scheduled = at_rate(requests, unit, rate)
         result = loop.run(scheduled)
-        timings = [in_process_timing(r, result.outputs[r.id].tokens, result.outputs[r.id].token_times_ms) for r in scheduled]
+        timings = [in_process_timing(r, result.outputs[r.id]) for r in scheduled]
         points.append({"rate": rate, **summarize(timings, result.stats.wall_s), "loop": msgspec.structs.asdict(result.stats)})
         say(point_line(points[-1]))
     return EngineSummary(capture.seconds, capture.graph_memory_bytes), points
 
 
-def in_process_timing(request: Request, tokens: list[int], token_times_ms: list[float]) -> Timing:
-    return Timing(request.id, len(request.prompt), request.max_new_tokens, len(tokens), request.arrival,
-                  [t / 1e3 for t in token_times_ms])
+def in_process_timing(request: Request, output: RequestOutput) -> Timing:
+    return Timing(request.id, len(request.prompt), request.max_new_tokens, len(output.tokens), request.arrival,
+                  [t / 1e3 for t in output.token_times_ms])
 
 
 # ---- over HTTP ----------------------------------------------------------------------------
@@ -224,10 +211,12 @@ def run_over_http(plan: Plan, command: list[str], out) -> int:
         raise options.UsageError(f"--prompt-format text needs a tokenizer, and {plan.model} with {plan.weights} weights "
                                  f"has none: use the real model (--model smollm2-135m) or --prompt-format ids")
     models = served_models(plan.url)
-    model = plan.served_model or (models[0] if models else None)
-    if model is None or (plan.served_model is not None and plan.served_model not in models):
+    if plan.served_model is not None and plan.served_model not in models:
         raise options.UsageError(f"--served-model {plan.served_model!r} is not served at {plan.url} (it serves "
                                  f"{models}); pick one of those")
+    if not models:
+        raise options.UsageError(f"{plan.url}/v1/models lists no model; is the server still loading?")
+    model = plan.served_model or models[0]
     requests = make_requests(plan.requests, plan.lengths, plan.seed, ModelConfig.preset(plan.model).vocab_size, codec)
     prompts = [codec.decode(r.prompt) if plan.prompt_format == "text" else r.prompt for r in requests]
     unit = unit_arrivals(len(requests), plan.seed)
@@ -237,136 +226,7 @@ def run_over_http(plan: Plan, command: list[str], out) -> int:
         timings, duration = run_http(plan.url, model, at_rate(requests, unit, rate), prompts, plan.timeout_s)
         points.append({"rate": rate, **summarize(timings, duration)})
         say(point_line(points[-1]))
-    targets = http_targets(points, plan, out / JSON_NAME)
-    status = finish(plan, command, out, torch.device("cpu"), points, start, HTTP_JSON_NAME, HTTP_PLOT_NAME, targets,
-                    {"mode": "http", "url": plan.url, "served_model": model})
-    return 1 if any(p["failed"] for p in points) else status
-
-
-# ---- report -------------------------------------------------------------------------------
-
-
-def finish(plan: Plan, command: list[str], out, device: torch.device, points: list[dict[str, Any]], start: float,
-           json_name: str, plot_name: str, targets: list[results.Target], served: dict[str, Any]) -> int:
-    env = results.environment(device, command)
-    best = highest_rate_within(points, plan.slo_ttft_ms)
-    plot = save_plot(out / plot_name, points, plan.slo_ttft_ms, f"{served['mode']} on {env['device'] if plan.url is None else plan.url}")
-    results.write_json(out / json_name, {
-        "benchmark": "serve", "smoke": plan.smoke, "environment": env, "served": served,
-        "plan": {**msgspec.to_builtins(plan), "rates": [rate_label(r) for r in plan.rates]},
-        "points": [{**p, "rate": rate_label(p["rate"])} for p in points],  # JSON has no inf
-        "highest_rate_within_slo": best, "slo_ttft_ms": plan.slo_ttft_ms,
-        "targets": [t.as_dict() for t in targets], "plot": plot.name, "wall_s": time.perf_counter() - start,
-    })
-    print(f"wrote {out / json_name} and {plot}")
-    print(format_points(points))
-    print(f"highest rate with TTFT p99 <= {plan.slo_ttft_ms:g} ms: "
-          + ("none of those run" if best is None else f"{best:g} requests/s"))
-    for target in targets:
-        print(target.line())
-    return 0
-
-
-def serve_targets(points: list[dict[str, Any]], plan: Plan) -> list[results.Target]:
-    """Issue 18's, in process."""
-    at = _at_rate(points, TARGET_RATE)
-    ttft = (lambda q: None) if at is None else (lambda q: at["ttft_ms"][q])
-    best = highest_rate_within(points, plan.slo_ttft_ms)
-    return [
-        results.Target(f"TTFT p50 at {TARGET_RATE:g} requests/s", TTFT_P50_LIMIT_MS, "ms", True, ttft("p50")),
-        results.Target(f"TTFT p99 at {TARGET_RATE:g} requests/s", TTFT_P99_LIMIT_MS, "ms", True, ttft("p99")),
-        results.Target(f"highest rate with TTFT p99 <= {plan.slo_ttft_ms:g} ms", SLO_RATE_TARGET, "requests/s", False, best),
-    ]
-
-
-def http_targets(points: list[dict[str, Any]], plan: Plan, in_process_json) -> list[results.Target]:
-    """Issue 20's: the HTTP path against the in-process loop on the same workload, read from
-    the in-process results in the same --out folder; not measured without them."""
-    reference = in_process_points(in_process_json, plan)
-    if not reference:
-        say(f"no in-process results for this workload in {in_process_json}: run `{COMMAND}` with the same "
-            f"workload flags and --out first to compare the HTTP path with the loop")
-
-    def both(rate: float):
-        mine, theirs = _at_rate(points, rate), _at_rate(reference, rate)
-        return (mine, theirs) if mine is not None and theirs is not None and not mine["failed"] else None
-
-    at_target, at_once = both(TARGET_RATE), both(math.inf)
-    added = None if at_target is None else at_target[0]["ttft_ms"]["p50"] - at_target[1]["ttft_ms"]["p50"]
-    ratio = None if at_once is None else at_once[0]["output_tokens_per_s"] / at_once[1]["output_tokens_per_s"]
-    return [
-        results.Target(f"TTFT p50 added by HTTP at {TARGET_RATE:g} requests/s", HTTP_ADDED_TTFT_MS, "ms", True, added),
-        results.Target("output tokens/s, HTTP over in process, all at once", HTTP_THROUGHPUT_RATIO, "x", False, ratio),
-    ]
-
-
-WORKLOAD_KEYS = ("model", "weights", "gguf", "requests", "lengths", "seed")
-
-
-def in_process_points(path, plan: Plan) -> list[dict[str, Any]]:
-    """The points of an in-process results file that served this plan's workload, rates as
-    numbers again; [] when there is none or it served another workload."""
-    try:
-        earlier = json.loads(path.read_text())
-        workload = msgspec.json.decode(msgspec.json.encode({k: getattr(plan, k) for k in WORKLOAD_KEYS}))  # as JSON has it
-        same = all(earlier["plan"][k] == workload[k] for k in WORKLOAD_KEYS)
-        return [{**p, "rate": float(p["rate"])} for p in earlier["points"]] if same else []
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
-
-
-def _at_rate(points: list[dict[str, Any]], rate: float) -> Optional[dict[str, Any]]:
-    return next((p for p in points if p["rate"] == rate), None)
-
-
-def say(text: str) -> None:
-    print(f"{COMMAND}: {text}", file=sys.stderr, flush=True)
-
-
-def point_line(p: dict[str, Any]) -> str:
-    return (f"rate {rate_label(p['rate'])}: {p['completed']}/{p['requests']} requests, {p['output_tokens_per_s']:,.0f} "
-            f"tokens/s, TTFT p50 {_ms(p['ttft_ms']['p50'])} p99 {_ms(p['ttft_ms']['p99'])} ms")
-
-
-def _ms(value: Optional[float]) -> str:
-    return "n/a" if value is None else f"{value:.1f}"
-
-
-def format_points(points: list[dict[str, Any]]) -> str:
-    headers = ["rate", "req/s", "out tok/s", "TTFT p50", "p90", "p99", "TPOT p50", "p99", "ITL p50", "p99",
-               "iter ms p50", "GPU step us", "GPU turn us", "failed"]
-    body = []
-    for p in points:
-        loop = p.get("loop") or {}
-        gpu_step, gpu_turn = loop.get("gpu_step_us_median"), loop.get("gpu_busy_us_per_iter")
-        body.append([rate_label(p["rate"]), f"{p['requests_per_s']:.1f}", f"{p['output_tokens_per_s']:,.0f}",
-                     *(_ms(p["ttft_ms"][q]) for q in ("p50", "p90", "p99")), *(_ms(p["tpot_ms"][q]) for q in ("p50", "p99")),
-                     *(_ms(p["itl_ms"][q]) for q in ("p50", "p99")),
-                     _ms(loop.get("iter_ms_median")), "n/a" if gpu_step is None else f"{gpu_step:.0f}",
-                     "n/a" if gpu_turn is None else f"{gpu_turn:.0f}", str(p["failed"])])
-    return "latencies in ms; iteration figures in process only\n" + results.format_table(headers, body)
-
-
-def plot_panels(points: list[dict[str, Any]], slo_ms: float) -> list[plots.Panel]:
-    """TTFT, decode pace and throughput against the offered rate, one point per rate."""
-    labels = [rate_label(p["rate"]) for p in points]
-    xs = list(range(len(points)))
-
-    def line(label: str, metric: str, quantile: str) -> plots.Line:
-        return plots.Line(label, xs, [p[metric][quantile] for p in points])
-
-    rate_axis = "offered rate (requests/s; inf = all at once)"
-    return [
-        plots.Panel("time to first token", rate_axis, "ms", [
-            line("TTFT p50", "ttft_ms", "p50"), line("TTFT p99", "ttft_ms", "p99"),
-            plots.Line(f"SLO {slo_ms:g} ms", xs, [slo_ms] * len(xs), dashed=True)], logy=True, xticklabels=labels),
-        plots.Panel("decode pace", rate_axis, "ms", [
-            line("TPOT p50", "tpot_ms", "p50"), line("ITL p50", "itl_ms", "p50"), line("ITL p99", "itl_ms", "p99")],
-            logy=True, xticklabels=labels),
-        plots.Panel("throughput", rate_axis, "output tokens/s", [
-            plots.Line("output tokens/s", xs, [p["output_tokens_per_s"] for p in points])], xticklabels=labels),
-    ]
-
-
-def save_plot(path, points: list[dict[str, Any]], slo_ms: float, where: str):
-    return plots.save_panels(path, plot_panels(points, slo_ms), f"bench serve, {where}")
+    served = {"mode": "http", "url": plan.url, "served_model": model}
+    write_report(plan, command, out, (HTTP_JSON_NAME, HTTP_PLOT_NAME), torch.device("cpu"), served, points,
+                 http_targets(points, plan, out / JSON_NAME), start)
+    return 1 if any(p["failed"] for p in points) else 0
