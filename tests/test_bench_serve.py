@@ -192,6 +192,8 @@ def test_smoke_sweep_over_http_writes_its_own_report(stub_server, tmp_path, caps
         assert p["ttft_ms"]["p50"] >= FIRST_TOKEN_S * 1e3
         assert p["latency_ms"]["p99"] >= p["ttft_ms"]["p99"]
         assert "loop" not in p  # no iteration figures from outside the server
+        lag = p["client_send_lag_ms"]  # each request waits for its arrival time (to the event loop's clock)
+        assert -1 < lag["p50"] <= lag["p90"] <= lag["p99"]
     # No in-process results in --out to compare with: the HTTP targets are not measured.
     assert [t["measured"] for t in report["targets"]] == [None, None]
     assert "no in-process results for this workload" in capsys.readouterr().err

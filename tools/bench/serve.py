@@ -28,7 +28,7 @@ from graphrelay.capture.model.text import TextCodec
 from graphrelay.capture.serving.loop import RequestOutput, ServingLoop
 from graphrelay.capture.serving.workloads import Request
 from graphrelay.tools.bench import options
-from graphrelay.tools.bench.serve_metrics import Timing, summarize
+from graphrelay.tools.bench.serve_metrics import Timing, distribution, summarize
 from graphrelay.tools.bench.serve_report import COMMAND, http_targets, point_line, say, serve_targets, write_report
 from graphrelay.tools.bench.serve_workload import Lengths, at_rate, make_requests, unit_arrivals
 
@@ -42,6 +42,7 @@ SMOKE = dict(model="tiny", weights="random", requests=12, prompt_len=(4, 16), ou
              rates="50,inf")
 WARM_OUTPUT_LEN = 8  # tokens per request in the untimed run: compiles and first-use allocations
 PROMPT_FORMATS = ("ids", "text")
+CLIENT_LAG_WARN_MS = 10.0
 
 
 class Plan(msgspec.Struct, frozen=True):
@@ -223,9 +224,13 @@ def run_over_http(plan: Plan, command: list[str], out) -> int:
     start, points = time.perf_counter(), []
     say(f"{len(requests)} requests per rate to {plan.url} (model {model}, prompts as {plan.prompt_format})")
     for rate in plan.rates:
-        timings, duration = run_http(plan.url, model, at_rate(requests, unit, rate), prompts, plan.timeout_s)
-        points.append({"rate": rate, **summarize(timings, duration)})
-        say(point_line(points[-1]))
+        scheduled = at_rate(requests, unit, rate)
+        timings, duration = run_http(plan.url, model, scheduled, prompts, plan.timeout_s)
+        # How late the client sent each request: if it cannot keep up, the load was not the rate asked for.
+        lag = distribution([(t.due_s - r.arrival) * 1e3 for t, r in zip(timings, scheduled)])
+        points.append({"rate": rate, **summarize(timings, duration), "client_send_lag_ms": lag})
+        say(point_line(points[-1]) + ("" if lag["p99"] <= CLIENT_LAG_WARN_MS else
+                                      f"; the client sent late (p99 {lag['p99']:.0f} ms): it limits this rate"))
     served = {"mode": "http", "url": plan.url, "served_model": model}
     write_report(plan, command, out, (HTTP_JSON_NAME, HTTP_PLOT_NAME), torch.device("cpu"), served, points,
                  http_targets(points, plan, out / JSON_NAME), start)
