@@ -150,16 +150,16 @@ def main(argv: list[str]) -> int:
         if plan.url is not None:
             return run_over_http(plan, command, out)
         device = options.pick_device(plan.smoke, COMMAND)
-        max_seq_len = plan.lengths.prompt[1] + plan.lengths.output[1]
         loaded = load_model(plan.model, weights=plan.weights, gguf=plan.gguf, dtype=default_dtype(device.type),
-                            max_seq_len=max_seq_len)
+                            max_seq_len=plan.lengths.prompt[1] + plan.lengths.output[1])
+        engine = build_engine(plan, loaded, device)
     except ModelFileError as error:  # the message says how to install or point at the file
         return options.report_usage_error(COMMAND, options.UsageError(str(error)))
     except options.UsageError as error:
         return options.report_usage_error(COMMAND, error)
     requests = make_requests(plan.requests, plan.lengths, plan.seed, loaded.config.vocab_size, loaded.codec)
     start = time.perf_counter()
-    captured, points = run_in_process(plan, loaded, device, requests)
+    captured, points = run_in_process(plan, engine, requests)
     served = {"mode": "in-process", "source": loaded.source, **msgspec.structs.asdict(captured)}
     write_report(plan, command, out, (JSON_NAME, PLOT_NAME), device, served, points, serve_targets(points, plan), start)
     return 0
@@ -173,11 +173,23 @@ class EngineSummary(msgspec.Struct, frozen=True):
     graph_memory_bytes: int
 
 
-def run_in_process(plan: Plan, loaded: LoadedModel, device: torch.device, requests: list[Request]) -> tuple[EngineSummary, list[dict[str, Any]]]:
-    """One engine, built and captured once, serves every rate of the sweep in turn."""
+def build_engine(plan: Plan, loaded: LoadedModel, device: torch.device) -> Engine:
+    """The engine the whole sweep runs on, its KV cache sized for the longest request; a
+    workload it cannot hold, or one that does not fit in memory, is a usage error."""
+    longest = plan.lengths.prompt[1] + plan.lengths.output[1]
+    if loaded.config.max_seq_len < longest:
+        raise options.UsageError(f"--prompt-len and --output-len allow {longest} tokens per request, but {loaded.source} "
+                                 f"holds {loaded.config.max_seq_len}; lower their HIGH ends")
     say(f"building the engine ({loaded.source}, {plan.max_reqs} slots, {device})")
-    engine = Engine(EngineConfig(loaded.config, max_reqs=plan.max_reqs, max_batch=plan.max_reqs, device=str(device),
-                                 use_graphs=device.type == "cuda"), weights=loaded.weights)
+    try:
+        return Engine(EngineConfig(loaded.config, max_reqs=plan.max_reqs, max_batch=plan.max_reqs, device=str(device),
+                                   use_graphs=device.type == "cuda"), weights=loaded.weights)
+    except ValueError as error:  # the engine's own checks (memory plan, sizes) name the limit
+        raise options.UsageError(f"{error}; lower --max-reqs or the lengths") from None
+
+
+def run_in_process(plan: Plan, engine: Engine, requests: list[Request]) -> tuple[EngineSummary, list[dict[str, Any]]]:
+    """The engine, captured once, serves every rate of the sweep in turn."""
     capture = engine.capture()
     loop = ServingLoop(engine, "overlap")
     warm = [msgspec.structs.replace(r, id=f"warm-{r.id}", max_new_tokens=min(r.max_new_tokens, WARM_OUTPUT_LEN))

@@ -82,7 +82,8 @@ def http_targets(points: list[dict[str, Any]], plan: Plan, in_process_json) -> l
 
     def both(rate: float):
         mine, theirs = _at_rate(points, rate), _at_rate(reference, rate)
-        return (mine, theirs) if mine is not None and theirs is not None and not mine["failed"] else None
+        usable = mine is not None and theirs is not None and not mine["failed"] and theirs["output_tokens_per_s"] > 0
+        return (mine, theirs) if usable else None
 
     at_target, at_once = both(TARGET_RATE), both(math.inf)
     added = None if at_target is None else at_target[0]["ttft_ms"]["p50"] - at_target[1]["ttft_ms"]["p50"]
