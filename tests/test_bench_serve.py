@@ -161,7 +161,9 @@ def test_http_counts_tokens_from_usage_and_times_from_the_stream(stub_server):
     url, seen = stub_server
     requests = at_rate(smoke_requests(), unit_arrivals(SMOKE["requests"], 0), 200.0)
     seen.clear()
-    timings, duration = run_http(url, "stub-model", requests, [r.prompt for r in requests], timeout_s=30)
+    run = run_http(url, "stub-model", requests, [r.prompt for r in requests], timeout_s=30)
+    timings, duration = run.timings, run.duration_s
+    assert 0 < run.client_cpu_s
     bodies = {tuple(b["prompt"]): b for b in seen}
     assert len(bodies) == len(requests)
     for request, timing in zip(requests, timings):
@@ -194,6 +196,7 @@ def test_smoke_sweep_over_http_writes_its_own_report(stub_server, tmp_path, caps
         assert "loop" not in p  # no iteration figures from outside the server
         lag = p["client_send_lag_ms"]  # each request waits for its arrival time (to the event loop's clock)
         assert -1 < lag["p50"] <= lag["p90"] <= lag["p99"]
+        assert p["client_cpu_fraction"] > 0
     # No in-process results in --out to compare with: the HTTP targets are not measured.
     assert [t["measured"] for t in report["targets"]] == [None, None]
     assert "no in-process results for this workload" in capsys.readouterr().err

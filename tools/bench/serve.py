@@ -42,7 +42,7 @@ SMOKE = dict(model="tiny", weights="random", requests=12, prompt_len=(4, 16), ou
              rates="50,inf")
 WARM_OUTPUT_LEN = 8  # tokens per request in the untimed run: compiles and first-use allocations
 PROMPT_FORMATS = ("ids", "text")
-CLIENT_LAG_WARN_MS = 10.0
+CLIENT_LAG_WARN_MS, CLIENT_BUSY_WARN = 10.0, 0.8  # beyond either, say the client limited the run
 
 
 class Plan(msgspec.Struct, frozen=True):
@@ -237,12 +237,15 @@ def run_over_http(plan: Plan, command: list[str], out) -> int:
     say(f"{len(requests)} requests per rate to {plan.url} (model {model}, prompts as {plan.prompt_format})")
     for rate in plan.rates:
         scheduled = at_rate(requests, unit, rate)
-        timings, duration = run_http(plan.url, model, scheduled, prompts, plan.timeout_s)
-        # How late the client sent each request: if it cannot keep up, the load was not the rate asked for.
-        lag = distribution([(t.due_s - r.arrival) * 1e3 for t, r in zip(timings, scheduled)])
-        points.append({"rate": rate, **summarize(timings, duration), "client_send_lag_ms": lag})
-        say(point_line(points[-1]) + ("" if lag["p99"] <= CLIENT_LAG_WARN_MS else
-                                      f"; the client sent late (p99 {lag['p99']:.0f} ms): it limits this rate"))
+        run = run_http(plan.url, model, scheduled, prompts, plan.timeout_s)
+        # A client that cannot keep up sends late and reads late: then it, not the server, set the figures.
+        lag = distribution([(t.due_s - r.arrival) * 1e3 for t, r in zip(run.timings, scheduled)])
+        busy = run.client_cpu_s / run.duration_s if run.duration_s > 0 else 0.0
+        points.append({"rate": rate, **summarize(run.timings, run.duration_s), "client_send_lag_ms": lag,
+                       "client_cpu_fraction": busy})
+        late = lag["p99"] > CLIENT_LAG_WARN_MS or busy > CLIENT_BUSY_WARN
+        say(point_line(points[-1]) + (f"; CLIENT-BOUND (send lag p99 {lag['p99']:.0f} ms, client CPU {busy:.0%}): "
+                                      f"these figures measure the client too" if late else ""))
     served = {"mode": "http", "url": plan.url, "served_model": model}
     write_report(plan, command, out, (HTTP_JSON_NAME, HTTP_PLOT_NAME), torch.device("cpu"), served, points,
                  http_targets(points, plan, out / JSON_NAME), start)

@@ -39,11 +39,18 @@ def served_models(url: str) -> list[str]:
                          f"is this an OpenAI-compatible server?") from None
 
 
+class HttpRun(msgspec.Struct):
+    timings: list[Timing]
+    duration_s: float  # the start to the last token
+    client_cpu_s: float  # this process's CPU time meanwhile: near duration_s, the client was the bottleneck
+
+
 def run_http(url: str, model: str, requests: list[Request], prompts: list[Union[list[int], str]],
-             timeout_s: float) -> tuple[list[Timing], float]:
-    """Send `requests` (their `prompts` as ids or text) on their arrival schedule; returns each
-    one's timing and the duration from the start to the last token."""
-    return asyncio.run(_send_all(url, model, requests, prompts, timeout_s))
+             timeout_s: float) -> HttpRun:
+    """Send `requests` (their `prompts` as ids or text) on their arrival schedule."""
+    cpu = time.process_time()
+    timings, duration = asyncio.run(_send_all(url, model, requests, prompts, timeout_s))
+    return HttpRun(timings, duration, time.process_time() - cpu)
 
 
 async def _send_all(url, model, requests, prompts, timeout_s) -> tuple[list[Timing], float]:
