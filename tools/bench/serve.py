@@ -21,6 +21,7 @@ import msgspec
 import torch
 
 from graphrelay.capture.iteration.engine import Engine, EngineConfig
+from graphrelay.capture.kernels.varlen_attention import PAGE
 from graphrelay.capture.model.checkpoint import ModelFileError, resolve_gguf_path
 from graphrelay.capture.model.model import MODEL_PRESETS, ModelConfig
 from graphrelay.capture.model.model_source import WEIGHT_SOURCES, LoadedModel, default_dtype, load_model, uses_gguf
@@ -38,7 +39,7 @@ PLOT_NAME, HTTP_PLOT_NAME = "serve_bench.png", "serve_http_bench.png"
 DEFAULT_RATES = "25,50,100,200,400,800,inf"
 FULL = dict(model="smollm2-135m", weights="auto", requests=1024, prompt_len=(32, 512), output_len=(32, 256),
             max_reqs=256, rates=DEFAULT_RATES)
-SMOKE = dict(model="tiny", weights="random", requests=12, prompt_len=(4, 16), output_len=(2, 8), max_reqs=4,
+SMOKE = dict(model="tiny", weights="random", requests=8, prompt_len=(4, 16), output_len=(2, 6), max_reqs=4,
              rates="50,inf")
 WARM_OUTPUT_LEN = 8  # tokens per request in the untimed run: compiles and first-use allocations
 PROMPT_FORMATS = ("ids", "text")
@@ -111,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="ids",
                         help="--url: send prompts as token ids or as text (text needs the real model's tokenizer; default ids)")
     parser.add_argument("--timeout-s", type=positive_float, default=600.0, help="--url: per-request timeout (default 600)")
-    options.add_output_options(parser, "tiny random model, 12 short requests at rates 50 and inf, 4 slots "
+    options.add_output_options(parser, "tiny random model, 8 short requests at rates 50 and inf, 4 slots "
                                        "(works on CPU, eager): checks the code paths")
     return parser
 
@@ -151,7 +152,7 @@ def main(argv: list[str]) -> int:
             return run_over_http(plan, command, out)
         device = options.pick_device(plan.smoke, COMMAND)
         loaded = load_model(plan.model, weights=plan.weights, gguf=plan.gguf, dtype=default_dtype(device.type),
-                            max_seq_len=plan.lengths.prompt[1] + plan.lengths.output[1])
+                            max_seq_len=cache_len(plan.lengths))
         engine = build_engine(plan, loaded, device)
     except ModelFileError as error:  # the message says how to install or point at the file
         return options.report_usage_error(COMMAND, options.UsageError(str(error)))
@@ -173,6 +174,12 @@ class EngineSummary(msgspec.Struct, frozen=True):
     graph_memory_bytes: int
 
 
+def cache_len(lengths: Lengths) -> int:
+    """KV cache rows per slot: the longest request, in whole cache pages."""
+    longest = lengths.prompt[1] + lengths.output[1]
+    return -(-longest // PAGE) * PAGE
+
+
 def build_engine(plan: Plan, loaded: LoadedModel, device: torch.device) -> Engine:
     """The engine the whole sweep runs on, its KV cache sized for the longest request; a
     workload it cannot hold, or one that does not fit in memory, is a usage error."""
@@ -185,7 +192,7 @@ def build_engine(plan: Plan, loaded: LoadedModel, device: torch.device) -> Engin
         return Engine(EngineConfig(loaded.config, max_reqs=plan.max_reqs, max_batch=plan.max_reqs, device=str(device),
                                    use_graphs=device.type == "cuda"), weights=loaded.weights)
     except ValueError as error:  # the engine's own checks (memory plan, sizes) name the limit
-        raise options.UsageError(f"{error}; lower --max-reqs or the lengths") from None
+        raise options.UsageError(f"no engine for {plan.max_reqs} slots of {loaded.config.max_seq_len} tokens: {error}") from None
 
 
 def run_in_process(plan: Plan, engine: Engine, requests: list[Request]) -> tuple[EngineSummary, list[dict[str, Any]]]:

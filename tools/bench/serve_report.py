@@ -128,17 +128,21 @@ def _ms(value: Optional[float]) -> str:
 
 def format_points(points: list[dict[str, Any]]) -> str:
     headers = ["rate", "req/s", "out tok/s", "TTFT p50", "p90", "p99", "TPOT p50", "p99", "ITL p50", "p99",
-               "iter ms p50", "GPU step us", "GPU turn us", "failed"]
+               "iter ms p50", "GPU us p50", "host launch us", "launch-bound", "failed"]
     body = []
     for p in points:
-        loop = p.get("loop") or {}
-        gpu_step, gpu_turn = loop.get("gpu_step_us_median"), loop.get("gpu_busy_us_per_iter")
+        loop = p.get("loop") or {}  # the loop's own figures: in process only
+        bound = loop.get("launch_bound_fraction")
         body.append([rate_label(p["rate"]), f"{p['requests_per_s']:.1f}", f"{p['output_tokens_per_s']:,.0f}",
                      *(_ms(p["ttft_ms"][q]) for q in ("p50", "p90", "p99")), *(_ms(p["tpot_ms"][q]) for q in ("p50", "p99")),
-                     *(_ms(p["itl_ms"][q]) for q in ("p50", "p99")),
-                     _ms(loop.get("iter_ms_median")), "n/a" if gpu_step is None else f"{gpu_step:.0f}",
-                     "n/a" if gpu_turn is None else f"{gpu_turn:.0f}", str(p["failed"])])
+                     *(_ms(p["itl_ms"][q]) for q in ("p50", "p99")), _ms(loop.get("iter_ms_median")),
+                     _us(loop.get("gpu_step_us_median")), _us(loop.get("host_launch_us_median")),
+                     "n/a" if bound is None else f"{bound:.0%}", str(p["failed"])])
     return "latencies in ms; iteration figures in process only\n" + results.format_table(headers, body)
+
+
+def _us(value: Optional[float]) -> str:
+    return "n/a" if value is None else f"{value:.0f}"
 
 
 def plot_panels(points: list[dict[str, Any]], slo_ms: float) -> list[plots.Panel]:
