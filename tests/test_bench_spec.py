@@ -166,8 +166,8 @@ def test_targets_without_rows_are_not_measured():
     (["--output-len", "0"], "0 must be >= 1"),
     (["--output-len", "5000"], "--output-len value 5000 is out of range"),
     (["--spec-k", "17"], "--spec-k value 17 is out of range 1..16"),
-    (["--ngram", "3"], "'3' must be MIN,MAX"),
-    (["--ngram", "3,1"], "--ngram MIN,MAX needs MIN <= MAX <= 8, got 3,1"),
+    (["--ngram", "3"], "'3' must be LOW,HIGH"),
+    (["--ngram", "3,1"], "argument --ngram: '3,1': LOW must be <= HIGH"),
     (["--ngram", "1,9"], "got 1,9"),
     (["--bogus"], "unrecognized arguments: --bogus"),
 ])

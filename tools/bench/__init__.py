@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "loop": ("graphrelay.tools.bench.loop", "the serving loop in eager, no-overlap and overlap modes: tokens/s, iteration time, GPU idle"),
     "e2e": ("graphrelay.tools.bench.e2e", "graphrelay against transformers generate (static and dynamic cache), end to end, same model and workload"),
     "iteration": ("graphrelay.tools.bench.iteration", "one unified iteration by shape (prompts, decodes, mixed) and the TTFT of one prompt on an idle engine"),
+    "serve": ("graphrelay.tools.bench.serve", "online load: Poisson arrivals over a sweep of rates, in process or against an OpenAI-compatible --url: TTFT, TPOT, ITL, throughput"),
     "spec": ("graphrelay.tools.bench.spec", "plain against n-gram speculative decoding on SmolLM2-135M: tokens/s, accepted length, identical outputs"),
 }
 

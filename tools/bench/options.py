@@ -68,6 +68,17 @@ def int_list(text: str) -> list[int]:
     return sorted({positive_int(p) for p in parts})
 
 
+def int_range(text: str) -> tuple[int, int]:
+    """'32,512' -> (32, 512): LOW,HIGH with 1 <= LOW <= HIGH."""
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"{text!r} must be LOW,HIGH, e.g. 32,512")
+    low, high = (positive_int(p.strip()) for p in parts)
+    if low > high:
+        raise argparse.ArgumentTypeError(f"{text!r}: LOW must be <= HIGH")
+    return low, high
+
+
 def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace | int:
     """Parsed options, or the exit status argparse chose (0 after --help, 2 on a bad option)."""
     try:

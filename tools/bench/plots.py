@@ -27,6 +27,10 @@ class Panel(NamedTuple):
     ylabel: str
     lines: Sequence[Line]
     loglog: bool = False
+    logy: bool = False
+    # Names of the points x = 0, 1, ...: for x values that are no scale (a sweep of request
+    # rates ending in "all at once"). The lines' xs are then those positions.
+    xticklabels: Optional[Sequence[str]] = None
 
 
 class Bars(NamedTuple):
@@ -89,13 +93,18 @@ def _draw_lines(ax, panel: Panel) -> None:
     from matplotlib.ticker import ScalarFormatter
 
     for line in panel.lines:
-        ax.plot(line.xs, line.ys, linestyle="--" if line.dashed else "-",
+        ys = [math.nan if y is None else y for y in line.ys]  # a gap where nothing was measured
+        ax.plot(line.xs, ys, linestyle="--" if line.dashed else "-",
                 marker=None if line.dashed else "o", markersize=3, label=line.label)
     if panel.loglog:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.xaxis.set_major_formatter(ScalarFormatter())  # 256, not 2^8
         ax.yaxis.set_major_formatter(ScalarFormatter())
+    elif panel.logy:
+        ax.set_yscale("log")
+    if panel.xticklabels is not None:
+        ax.set_xticks(range(len(panel.xticklabels)), list(panel.xticklabels))
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize="small")
 

