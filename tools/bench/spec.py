@@ -216,11 +216,11 @@ def batch_of(requests: list[Request], batch: int, tag: str) -> list[Request]:
 
 def serve(config: ModelConfig, weights: Optional[ModelWeights], requests: list[Request], device: torch.device,
           spec: Optional[SpecConfig]) -> LoopResult:
-    """One engine sized for exactly this batch; an untimed short run first (Triton compiles,
-    first-use allocations), then the timed one."""
+    """One engine sized for this batch with the default token budget and buckets; an untimed
+    short run first (Triton compiles, first-use allocations), then the timed one."""
     batch = len(requests)
     engine = Engine(EngineConfig(config, max_reqs=batch, max_batch=batch, device=str(device), use_graphs=device.type == "cuda",
-                                 buckets=(batch,), max_top_k=TOP_K_WIDTH, spec=spec), weights=weights)
+                                 max_top_k=TOP_K_WIDTH, spec=spec), weights=weights)
     engine.capture()
     warm = [msgspec.structs.replace(r, id=f"warm-{r.id}", max_new_tokens=min(r.max_new_tokens, WARM_OUTPUT_LEN))
             for r in requests]
