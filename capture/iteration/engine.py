@@ -133,6 +133,9 @@ class Engine:
         self.stream = Stream.persistent(self.device)
         self.torch_stream = self.stream.as_torch() if self.on_gpu else None
         self.iterations_launched = 0
+        # Per slot, an upper bound on its tokens in the cache after the iterations launched so
+        # far (a decode span adds k + 1 whatever is accepted): eager steps attend only that far.
+        self._length_bound = [0] * (max_reqs + 1)
         if self.on_gpu:
             # The engine stream does not order against the legacy default stream that built
             # the weights: finish construction before any work is queued on it.
@@ -207,9 +210,18 @@ class Engine:
         if fresh:
             self.relay.admit(fresh)
         bucket = self.runner.bucket(tokens)  # chosen once: the inputs are laid out for it and it runs
+        self.step.key_bound = None if self.uses_graphs else self._key_bound(spans)
         self.inputs.load(spans, bucket, self.config.tokens_per_decode, self.torch_stream)
         self.runner.run(bucket)
         return self._recorded()
+
+    def _key_bound(self, spans: Sequence[Span]) -> int:
+        """The most keys any token of `spans` attends, rounded up to 64 so eager shapes repeat."""
+        bound = self._length_bound
+        for span in spans:
+            bound[span.slot] = span.start + len(span.tokens) if span.tokens else bound[span.slot] + self.span_tokens(span)
+        longest = max(bound[s.slot] for s in spans) + 1  # a decode span's last token sits at the bound
+        return min(self.model.config.max_seq_len, -(-longest // 64) * 64)
 
     def _require_engine_stream(self, call: str) -> None:
         """Work queued on another stream would not be ordered with the relay and mirror."""

@@ -63,6 +63,9 @@ class IterationStep:
         self.spec, self.history, self.max_top_k, self.per = spec, history, max_top_k, per
         device, spans, rows = relay.device, top.spans + 1, top.rows
         self.scratch = inputs.max_tokens  # the token buffer's scratch entry
+        # Eager runs only: a host-known bound on every position + 1 this iteration (the engine
+        # sets it before an eager step; None under capture, which runs at full shape).
+        self.key_bound: Optional[int] = None
         self.resolved = relay.alloc_resolved(spans, dtypes={"tokens": torch.int64})
         # [R + 1]: the padding span's entry is never written by resolve; span_decode is 0 there.
         self.seq_lens = torch.zeros(spans, dtype=torch.int64, device=device)
@@ -99,7 +102,8 @@ class IterationStep:
         drafts = None
         if self.spec is not None:
             drafts = self._draft(v, R, slots, positions, base)
-        hidden = self.model.forward(ids[:tokens], slots, positions, v.q_block_start, v.q_block_len, g.q_block)
+        hidden = self.model.forward(ids[:tokens], slots, positions, v.q_block_start, v.q_block_len, g.q_block,
+                                    key_bound=self.key_bound)
         row_positions = positions.index_select(0, v.row_token)  # [S]: each row's sampling step
         logits = self.model.logits(hidden.index_select(0, v.row_token), out=self.logits[: g.rows])
 

@@ -309,6 +309,7 @@ class LlamaModel:
     def forward(
         self, ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
         q_block_start: torch.Tensor, q_block_len: torch.Tensor, q_block: int = Q_BLOCK,
+        key_bound: int | None = None,
     ) -> torch.Tensor:
         """One flat batch of T query tokens of any span kinds; returns the final-normed hidden
         states [T, hidden]. Capturable: fixed shape in T, nothing read on the host.
@@ -318,15 +319,19 @@ class LlamaModel:
         of one span are consecutive and `q_block_start / q_block_len` [NB] int32 split them
         into the attention kernel's query blocks of at most `q_block` tokens
         (`capture.kernels.varlen_attention`).
-        Padding tokens use slot 0 and belong to no block.
+        Padding tokens use slot 0 and belong to no block. key_bound: a host-known bound on
+        every real token's position + 1 (eager runs); the CPU's torch attention then gathers
+        that many keys per token instead of max_seq_len. Masked keys weigh exactly 0, so it
+        changes no bit of the result; the GPU kernel, captured at full shape, ignores it.
         """
         c = self.shard
+        max_len = key_bound if self.device.type == "cpu" else None
 
         def attend(index: int, q: torch.Tensor) -> torch.Tensor:  # q [T, h, d]
             return varlen_attention(
                 q, self.kv_cache.keys[index], self.kv_cache.values[index], self.block_table, slots, positions,
                 q_block_start, q_block_len, scale=self.scale, workspace=self.attention_workspace, q_block=q_block,
-                out=torch.empty(q.shape[0], c.num_heads * c.head_dim, dtype=q.dtype, device=q.device),
+                max_len=max_len, out=torch.empty(q.shape[0], c.num_heads * c.head_dim, dtype=q.dtype, device=q.device),
             )
 
         return self._forward(ids, slots, positions, attend)
@@ -368,7 +373,8 @@ class LlamaModel:
         host = torch.tensor([ids, token_slots, positions], dtype=torch.int64)
         blocks = torch.tensor([block_start, block_len], dtype=torch.int32)
         dev, dev_blocks = to_device_async(host, self.device), to_device_async(blocks, self.device)
-        hidden = self.forward(dev[0], dev[1], dev[2], dev_blocks[0], dev_blocks[1])
+        key_bound = max(start + n for start, n in zip(starts, lengths))
+        hidden = self.forward(dev[0], dev[1], dev[2], dev_blocks[0], dev_blocks[1], key_bound=key_bound)
         last = torch.tensor([o + n - 1 for o, n in zip(offsets, lengths)])
         return self._logits(hidden.index_select(0, to_device_async(last, self.device)))
 
