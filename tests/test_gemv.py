@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from graphrelay.capture.kernels import gemv
 from graphrelay.capture.kernels import layer_kernels as lk
 from model_reference import rms_norm as model_rms_norm
-from test_layer_kernels import EPS, assert_matches, randn
+from test_layer_kernels import EPS, Shape, assert_matches, randn, rotary_case
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -86,6 +86,34 @@ def check_linear_residual(device, dtype, rows, k, n, *, seed=0, pdl=None) -> Non
     assert in_place is stream and torch.equal(stream, got), "in place (out=residual) equals out of place"
 
 
+def check_norm_qkv_rotary(device, dtype, rows, k, heads: Shape, *, with_residual, seed=0, pdl=None,
+                          cache_rows=6, seq_len=32) -> None:
+    """q against the unfused path's, and the caches: every entry the unfused path leaves as it
+    was stays bit for bit, the written ones agree as q does."""
+    width = (heads.heads + 2 * heads.kv_heads) * heads.head_dim
+    t = inputs(device, dtype, rows, k, width, seed)
+    case = rotary_case(heads, rows, dtype=dtype, device=device, cache_rows=cache_rows, seq_len=seq_len, seed=seed)
+    residual = t["residual"] if with_residual else None
+    results = {}
+    for backend in ("triton", "torch"):
+        rotary = gemv.Rotary(case.cos, case.sin, case.positions, case.slots, case.k_cache.clone(),
+                             case.v_cache.clone(), heads.heads, heads.kv_heads)
+        q = gemv.norm_qkv_rotary(t["x"], t["norm_weight"], t["weight"], EPS, rotary, residual=residual,
+                                 backend=backend, pdl=pdl if backend == "triton" else None)
+        results[backend] = (q, rotary.k_cache, rotary.v_cache)
+    (got, k_got, v_got), (ref, k_ref, v_ref) = results["triton"], results["torch"]
+    if with_residual:
+        (got, got_sum), (ref, ref_sum) = got, ref
+        assert torch.equal(got_sum, ref_sum)
+    what = f"norm_qkv_rotary {dtype} rows={rows} k={k} heads={heads}"
+    assert got.shape == (rows, heads.heads, heads.head_dim)
+    assert_close_to(got, ref, what + " q", ulps=2)
+    for name, a, b, before in (("k", k_got, k_ref, case.k_cache), ("v", v_got, v_ref, case.v_cache)):
+        untouched = (b == before).all(-1).all(-1)  # [cache_rows, seq_len]: rows the reference kept
+        assert torch.equal(a[untouched], before[untouched]), f"{what}: {name} written outside the rows' entries"
+        assert_close_to(a[~untouched], b[~untouched], f"{what} {name}_cache", ulps=2)
+
+
 # ----------------------------------------------------------------------------------------------
 # Triton (interpreted) against the unfused reference, random shapes
 
@@ -111,6 +139,16 @@ def test_norm_gate_up_silu_equals_unfused(rows, k, n, dtype, seed, with_residual
     check_norm_gate_up_silu("cpu", dtype, rows, k, n, with_residual=with_residual, seed=seed)
 
 
+HEADS = [Shape(0, 4, 2, 16, 0), Shape(0, 3, 1, 6, 0), Shape(0, 1, 1, 2, 0), Shape(0, 2, 2, 40, 0)]
+
+
+@FEW
+@given(rows=SHAPES["rows"], k=SHAPES["k"], heads=st.sampled_from(HEADS), dtype=SHAPES["dtype"],
+       seed=SHAPES["seed"], with_residual=st.booleans())
+def test_norm_qkv_rotary_equals_unfused(rows, k, heads, dtype, seed, with_residual):
+    check_norm_qkv_rotary("cpu", dtype, rows, k, heads, with_residual=with_residual, seed=seed)
+
+
 @FEW
 @given(**SHAPES)
 def test_linear_residual_equals_unfused(rows, k, n, dtype, seed):
@@ -125,6 +163,7 @@ def test_several_k_steps_and_row_tiles(rows, k, dtype):
     check_norm_linear("cpu", dtype, rows, k, 20, with_residual=True)
     check_norm_gate_up_silu("cpu", dtype, rows, k, 20, with_residual=False)
     check_linear_residual("cpu", dtype, rows, k, 20)
+    check_norm_qkv_rotary("cpu", dtype, rows, k, HEADS[0], with_residual=True, cache_rows=9, seq_len=64)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -167,6 +206,13 @@ def _bad(**overrides):
     return {**t, **overrides}
 
 
+def _rotary(heads: int = 1) -> gemv.Rotary:
+    """For `_bad()`'s width-6 projection: 1 q head, 1 KV head, head_dim 2."""
+    cache = torch.zeros(3, 8, 1, 2)
+    index = torch.zeros(2, dtype=torch.int64)
+    return gemv.Rotary(torch.ones(8, 2), torch.zeros(8, 2), index, index, cache, cache.clone(), heads, 1)
+
+
 BAD_CALLS = {
     "norm weight width": (lambda b: gemv.norm_linear(
         (t := _bad())["x"], torch.ones(7), t["weight"], EPS, backend=b), "norm_weight must be"),
@@ -187,6 +233,13 @@ BAD_CALLS = {
     "out shape": (lambda b: gemv.norm_gate_up_silu(
         (t := _bad())["x"], t["norm_weight"], t["gate_up"], EPS, out=torch.ones(2, 12), backend=b),
         "out must be"),
+    "rotary not a Rotary": (lambda b: gemv.norm_qkv_rotary(
+        (t := _bad())["x"], t["norm_weight"], t["weight"], EPS, rotary=(), backend=b), "gemv.Rotary"),
+    "qkv width": (lambda b: gemv.norm_qkv_rotary(
+        (t := _bad())["x"], t["norm_weight"], t["weight"], EPS, _rotary(heads=2), backend=b), "qkv width 6"),
+    "rotary q_out": (lambda b: gemv.norm_qkv_rotary(
+        (t := _bad())["x"], t["norm_weight"], t["weight"], EPS, _rotary(), q_out=torch.ones(2, 6), backend=b),
+        "q_out must be"),
     "x not contiguous": (lambda b: gemv.linear_residual(
         torch.ones(8, 2).t(), (t := _bad())["weight"], t["stream"], backend=b), "contiguous"),
 }

@@ -3,8 +3,9 @@
 Per projection there are two ways to run it (`capture.kernels.gemv`):
 - "torch": today's unfused nodes, a cuBLAS GEMM between layer_kernels' norm and SiLU*up;
   an O / down projection leaves its output pending and the next norm adds it in.
-- "triton": one fused skinny-GEMM node (norm + QKV, O + residual add, norm + gate/up + SiLU*up,
-  down + residual add), launched with programmatic dependent launch where the GPU has it.
+- "triton": one fused skinny-GEMM node (norm + QKV + rotary + K/V append, O + residual add,
+  norm + gate/up + SiLU*up, down + residual add), launched with programmatic dependent launch
+  where the GPU has it.
 Which wins depends on the row count (a GEMV at 1 row, a real GEMM at 256) and on the GPU,
 so `LinearPlan.measured` times both inside small CUDA graphs at start-up, before the step is
 captured, and keeps the faster per (row count, projection). On a CPU, and under tensor
@@ -15,8 +16,8 @@ The layer stack threads the residual `stream` and a pending `update` (None once 
     ops = plan.ops(rows, eps, reduce)
     update, stream = None, embeddings
     for layer in layers:
-        qkv, stream = ops.qkv(update, stream, layer)
-        update, stream = ops.o(attention(qkv), stream, layer)
+        q, stream = ops.qkv(update, stream, layer, rotary)   # rotary: that layer's gemv.Rotary
+        update, stream = ops.o(attention(q), stream, layer)
         act, stream = ops.gate_up(update, stream, layer)
         update, stream = ops.down(act, stream, layer)
     hidden = ops.final_norm(update, stream, final_norm)
@@ -65,9 +66,11 @@ class LayerOps:
                  pdl: bool | None):
         self.backends, self.eps, self.reduce, self.pdl = dict(backends), eps, reduce, pdl
 
-    def qkv(self, update, stream, layer: "LayerWeights"):
-        """-> (qkv `[n, (h + 2 kvh) d]`, stream with `update` added)."""
-        return self._norm_projection(gemv.norm_linear, "qkv", update, stream, layer.attn_norm, layer.qkv)
+    def qkv(self, update, stream, layer: "LayerWeights", rotary: gemv.Rotary):
+        """-> (rotated q `[n, h, d]`, stream with `update` added); appends k and v to the
+        caches in `rotary`."""
+        return self._norm_projection(gemv.norm_qkv_rotary, "qkv", update, stream, layer.attn_norm, layer.qkv,
+                                     rotary)
 
     def o(self, attn, stream, layer: "LayerWeights"):
         """-> (pending update or None, stream)."""
@@ -87,11 +90,11 @@ class LayerOps:
             return kernels.rms_norm(stream, weight, self.eps)
         return kernels.rms_norm(update, weight, self.eps, residual=stream)[0]
 
-    def _norm_projection(self, fused, projection, update, stream, norm_weight, weight):
+    def _norm_projection(self, fused, projection, update, stream, norm_weight, weight, *extra):
         options = dict(backend=self.backends[projection], pdl=self.pdl)
         if update is None:
-            return fused(stream, norm_weight, weight, self.eps, **options), stream
-        return fused(update, norm_weight, weight, self.eps, residual=stream, **options)
+            return fused(stream, norm_weight, weight, self.eps, *extra, **options), stream
+        return fused(update, norm_weight, weight, self.eps, *extra, residual=stream, **options)
 
     def _projection(self, projection, x, weight, stream):
         if self.backends[projection] == "torch":
@@ -165,7 +168,8 @@ def time_projections(model: "LlamaModel", sizes: Sequence[int], *, stream: torch
                      pdl: bool | None = None) -> list[ProjectionTiming]:
     """GPU µs per call of each projection on each backend at each row count, on layer 0's
     weights (every layer has the same shapes). Each backend runs the form a chain of its own
-    calls takes: torch with a pending update to add (its add + norm node), Triton without."""
+    calls takes: torch with a pending update to add (its add + norm node), Triton without.
+    The QKV projection includes the rotary and K/V append, into padding slot 0's cache rows."""
     if model.device.type != "cuda":
         raise ValueError(f"time_projections needs a CUDA model, got one on {model.device}")
     bad = [s for s in sizes if not isinstance(s, int) or s < 1]
@@ -183,13 +187,16 @@ def time_projections(model: "LlamaModel", sizes: Sequence[int], *, stream: torch
 
             stream_x, update = rand(c.hidden_size), rand(c.hidden_size)
             attn, act = rand(c.num_heads * c.head_dim), rand(c.intermediate_size)
+            positions = torch.arange(rows, device=model.device) % c.max_seq_len
+            rotary = gemv.Rotary(model.rope_cos, model.rope_sin, positions, torch.zeros_like(positions),
+                                 model.kv_cache.keys[0], model.kv_cache.values[0], c.num_heads, c.num_kv_heads)
             for projection in PROJECTIONS:
                 times = {}
                 for backend in BACKENDS:
                     ops = LinearPlan.fixed(backend, pdl=pdl).ops(rows, c.rms_eps)
                     pending = update if backend == "torch" else None
                     call = {
-                        "qkv": lambda: ops.qkv(pending, stream_x, layer),
+                        "qkv": lambda: ops.qkv(pending, stream_x, layer, rotary),
                         "o": lambda: ops.o(attn, stream_x, layer),
                         "gate_up": lambda: ops.gate_up(pending, stream_x, layer),
                         "down": lambda: ops.down(act, stream_x, layer),

@@ -1,8 +1,9 @@
 """A Llama-family decoder (real weights from a GGUF, or seeded random ones) and its static
 `[slot, position]` KV cache.
 
-Two paths share one layer stack (GEMMs in torch, the rest in fused kernels on CUDA with torch
-twins on the CPU: `capture.layer_kernels`, `capture.attention`):
+Two paths share one layer stack (projections in cuBLAS or in fused Triton skinny GEMMs, as
+`self.plan` picks per row count: `capture.model.linear_plan`; the rest in fused kernels on CUDA
+with torch twins on the CPU: `capture.layer_kernels`, `capture.attention`):
 
 - `prefill(slots, chunks, starts)`: eager, a batch of prompt chunks in one forward (padded to
   the longest), each writing `cache[slot, start : start + len]`.
@@ -24,8 +25,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import msgspec
 import torch
 
-from graphrelay.capture.kernels import attention
-from graphrelay.capture.kernels import layer_kernels as kernels
+from graphrelay.capture.kernels import attention, gemv
 from graphrelay.capture.model.kv_cache import KVCache
 from graphrelay.capture.model.linear_plan import LinearPlan
 from graphrelay.config import DTYPES
@@ -419,17 +419,15 @@ class LlamaModel:
         projection on torch (`self.plan`): add + norm, QKV GEMM, rotary + cache write,
         attention, O GEMM, add + norm, gate/up GEMM, SiLU-mul, down GEMM (an O / down output
         stays pending until the next norm adds it); with every projection on Triton: norm +
-        QKV, rotary + cache write, attention, O + add, norm + gate/up + SiLU-mul, down + add.
+        QKV + rotary + cache write, attention, O + add, norm + gate/up + SiLU-mul, down + add.
         """
         c = self.shard
         ops = self.plan.ops(tokens.shape[0], c.rms_eps, self._all_reduce)
         update, stream = None, self.embed.index_select(0, tokens)  # the residual stream [n, hidden]
         for index, layer in enumerate(self.layers):
-            qkv, stream = ops.qkv(update, stream, layer)
-            q = kernels.rotary_and_cache_write(
-                qkv, self.rope_cos, self.rope_sin, positions,
-                self.kv_cache.keys[index], self.kv_cache.values[index], slots, c.num_heads, c.num_kv_heads,
-            )
+            rotary = gemv.Rotary(self.rope_cos, self.rope_sin, positions, slots, self.kv_cache.keys[index],
+                                 self.kv_cache.values[index], c.num_heads, c.num_kv_heads)
+            q, stream = ops.qkv(update, stream, layer, rotary)
             update, stream = ops.o(attend(index, q), stream, layer)
             act, stream = ops.gate_up(update, stream, layer)
             update, stream = ops.down(act, stream, layer)
