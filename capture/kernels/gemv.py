@@ -46,7 +46,11 @@ from graphrelay.capture.kernels import layer_kernels as lk
 from graphrelay.capture.kernels.layer_kernels import _check_rotary, _expect, _expect_2d, _pick_backend, _round_to
 
 BLOCK_N = 16  # output features per program: the smallest tl.dot tile, so the most programs
-MAX_TILE = 16384  # elements of the x tile (BLOCK_M x BLOCK_K) one loop step holds
+# K per loop step. Compiled for sm_90 (ptxas -v, 8 warps), a norm prologue or a second weight
+# tile spills registers above 256 at every row tile; the plain projection + residual does not
+# up to 16384 x elements (BLOCK_M x BLOCK_K) a step.
+NORM_BLOCK_K = 256
+MAX_TILE = 16384
 EPILOGUE_NONE, EPILOGUE_RESIDUAL, EPILOGUE_SILU_MUL, EPILOGUE_ROTARY = 0, 1, 2, 3
 
 
@@ -242,8 +246,8 @@ def _launch(x, weight, out, *, n, epilogue, pdl, norm_weight=None, eps=0.0, resi
             add=None, rotary=None):
     m, k = x.shape
     block_m = max(16, min(64, triton.next_power_of_2(m)))
-    block_k = max(16, min(triton.next_power_of_2(k), MAX_TILE // block_m))
-    weight_tile = (2 if epilogue >= EPILOGUE_SILU_MUL else 1) * BLOCK_N * block_k
+    widest = NORM_BLOCK_K if norm_weight is not None or epilogue >= EPILOGUE_SILU_MUL else MAX_TILE // block_m
+    block_k = max(16, min(triton.next_power_of_2(k), widest))
     tile_cols = n // 2 if epilogue == EPILOGUE_ROTARY else n
     rot = rotary or Rotary(x, x, x, x, x, x, 0, 0)
     d = rot.k_cache.shape[3] if rotary else 2
@@ -258,7 +262,7 @@ def _launch(x, weight, out, *, n, epilogue, pdl, norm_weight=None, eps=0.0, resi
         HAS_RESIDUAL=residual is not None, EPILOGUE=epilogue, H=rot.num_heads, KVH=rot.num_kv_heads, D=d,
         # NOTE: the interpreter multiplies bfloat16 dot operands as their raw uint16 bits: upcast there.
         DOT_F32=x.dtype == torch.float32 or not x.is_cuda, USE_PDL=pdl,
-        num_warps=4 if weight_tile + block_m * block_k <= 8192 else 8,
+        num_warps=8,
         # a*b + c*d contracted to an FMA would round the rotation differently from torch.
         enable_fp_fusion=epilogue != EPILOGUE_ROTARY, **extra,
     )

@@ -18,8 +18,8 @@ from graphrelay.capture.kernels import gemv
 from graphrelay.capture.model.linear_plan import BACKENDS, PROJECTIONS, LinearPlan, time_projections
 from graphrelay.capture.model.model import LlamaModel, ModelConfig
 from graphrelay.tools.bench import bench_main
-from test_gemv import check_linear_residual, check_norm_gate_up_silu, check_norm_linear, inputs
-from test_layer_kernels import EPS, SMOL
+from test_gemv import check_linear_residual, check_norm_gate_up_silu, check_norm_linear, check_norm_qkv_rotary, inputs
+from test_layer_kernels import EPS, SMOL, rotary_case
 
 pytestmark = pytest.mark.gpu
 
@@ -34,6 +34,14 @@ RESIDUAL = pytest.mark.parametrize("with_residual", [False, True], ids=["plain",
 @RESIDUAL
 def test_norm_qkv(rows, with_residual):
     check_norm_linear(DEVICE, BF16, rows, SMOL.hidden, QKV_WIDTH, with_residual=with_residual)
+
+
+@ROWS
+@RESIDUAL
+def test_norm_qkv_rotary(rows, with_residual):
+    # 8 request rows x 64 positions: room for 64 distinct live [slot, position]s.
+    check_norm_qkv_rotary(DEVICE, BF16, rows, SMOL.hidden, SMOL, with_residual=with_residual, cache_rows=9,
+                          seq_len=64)
 
 
 @ROWS
@@ -56,11 +64,18 @@ def test_pdl_is_on_for_hopper_and_changes_no_bit():
     device = torch.device(DEVICE)
     t = inputs(DEVICE, BF16, 8, SMOL.hidden, SMOL.hidden, seed=1)
 
+    case = rotary_case(SMOL, 8, dtype=BF16, device=DEVICE, cache_rows=4, seq_len=16)
+    qkv_weight = inputs(DEVICE, BF16, 8, SMOL.hidden, QKV_WIDTH, seed=2)["weight"]
+
     def run(pdl: bool) -> list[torch.Tensor]:
+        rotary = gemv.Rotary(case.cos, case.sin, case.positions, case.slots, case.k_cache.clone(),
+                             case.v_cache.clone(), SMOL.heads, SMOL.kv_heads)
         return [
             gemv.norm_linear(t["x"], t["norm_weight"], t["weight"], EPS, residual=t["residual"], pdl=pdl)[0],
             gemv.norm_gate_up_silu(t["x"], t["norm_weight"], t["gate_up"], EPS, pdl=pdl),
             gemv.linear_residual(t["x"], t["weight"], t["stream"], pdl=pdl),
+            gemv.norm_qkv_rotary(t["x"], t["norm_weight"], qkv_weight, EPS, rotary, pdl=pdl),
+            rotary.k_cache, rotary.v_cache,
         ]
 
     if torch.cuda.get_device_capability(device) < (9, 0):
