@@ -92,6 +92,16 @@ def _dot(x, w, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_rows_to_l2(rows_ptr, row_ok, K: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr):
+    """Start pulling whole weight rows `[BLOCK_N, K]` into L2, one request per 128-byte line
+    (LINE elements), waiting for none: the loop's later K steps then read from L2."""
+    at = tl.arange(0, LINES)[None, :] * LINE
+    ptrs = tl.where(row_ok & (at < K), rows_ptr + at, rows_ptr)  # a masked lane re-asks for its row start
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _skinny_linear_kernel(
     x_ptr,  # [M, K]: the input (NORM: the residual stream, or the pending update when HAS_RESIDUAL)
     res_in_ptr,  # [M, K] residual stream added to x before the norm (HAS_RESIDUAL)
@@ -124,6 +134,8 @@ def _skinny_linear_kernel(
     D: tl.constexpr,
     DOT_F32: tl.constexpr,  # a float32 IEEE dot (float32 inputs, or the interpreter: see _launch)
     USE_PDL: tl.constexpr,
+    LINE: tl.constexpr,  # weight elements per 128-byte line
+    LINES: tl.constexpr,  # next power of two >= the lines of one weight row
 ):
     pid_n = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -153,6 +165,11 @@ def _skinny_linear_kernel(
     if EPILOGUE >= 2:
         wb = tl.load(w_b + ks[None, :], mask=w_ok & (ks[None, :] < K), other=0.0)
     if USE_PDL:
+        # While the previous kernel finishes, the rest of the weight streams into L2 too.
+        if BLOCK_K < K:
+            _prefetch_rows_to_l2(w_a, w_ok, K, LINE, LINES)
+            if EPILOGUE >= 2:
+                _prefetch_rows_to_l2(w_b, w_ok, K, LINE, LINES)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -262,6 +279,7 @@ def _launch(x, weight, out, *, n, epilogue, pdl, norm_weight=None, eps=0.0, resi
         HAS_RESIDUAL=residual is not None, EPILOGUE=epilogue, H=rot.num_heads, KVH=rot.num_kv_heads, D=d,
         # NOTE: the interpreter multiplies bfloat16 dot operands as their raw uint16 bits: upcast there.
         DOT_F32=x.dtype == torch.float32 or not x.is_cuda, USE_PDL=pdl,
+        LINE=128 // weight.element_size(), LINES=triton.next_power_of_2(triton.cdiv(k * weight.element_size(), 128)),
         num_warps=8,
         # a*b + c*d contracted to an FMA would round the rotation differently from torch.
         enable_fp_fusion=epilogue != EPILOGUE_ROTARY, **extra,
