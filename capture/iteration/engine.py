@@ -17,6 +17,7 @@ import torch
 
 from graphrelay.capture.iteration.buckets import default_buckets
 from graphrelay.capture.iteration.graph_runner import CaptureReport, GraphRunner
+from graphrelay.capture.model.linear_plan import LinearPlan
 from graphrelay.capture.model.memory_plan import check_fits, plan_memory
 from graphrelay.capture.model.model import LlamaModel, ModelConfig, ModelWeights
 from graphrelay.capture.iteration.ngram import TokenHistory
@@ -148,6 +149,10 @@ class Engine:
         """Warm up and capture every bucket, warm prefill up, then restart the mirror at
         iteration 0."""
         with self.activate():
+            # Projection backends per bucket, timed on this GPU before anything is captured.
+            rows_per_request = self.config.spec.rows if self.config.spec else 1
+            self.model.plan = LinearPlan.measured(self.model, [b * rows_per_request for b in self.runner.buckets],
+                                                  stream=self.torch_stream)
             report = self.runner.capture()
             self._warm_up_prefill()
         self.mirror.reset()

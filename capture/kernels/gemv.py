@@ -101,7 +101,8 @@ def _prefetch_rows_to_l2(rows_ptr, row_ok, K: tl.constexpr, LINE: tl.constexpr, 
                               is_pure=False, pack=1)
 
 
-@triton.jit
+# The row count and cache sizes vary by bucket and model: one compiled variant serves them all.
+@triton.jit(do_not_specialize=("M", "table_rows", "cache_rows", "seq_len"))
 def _skinny_linear_kernel(
     x_ptr,  # [M, K]: the input (NORM: the residual stream, or the pending update when HAS_RESIDUAL)
     res_in_ptr,  # [M, K] residual stream added to x before the norm (HAS_RESIDUAL)

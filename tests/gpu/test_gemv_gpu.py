@@ -14,6 +14,7 @@ import msgspec
 import pytest
 import torch
 
+from graphrelay.capture.iteration.engine import Engine, EngineConfig
 from graphrelay.capture.kernels import gemv
 from graphrelay.capture.model.linear_plan import BACKENDS, PROJECTIONS, LinearPlan, time_projections
 from graphrelay.capture.model.model import LlamaModel, ModelConfig
@@ -150,3 +151,11 @@ def test_bench_kernels_smoke_writes_every_row(tmp_path):
     assert all(r["torch_us"] > 0 and r["triton_us"] > 0 and r["triton_no_pdl_us"] > 0 for r in report["rows"])
     for layer in report["per_layer"]:
         assert layer["plan_us"] <= min(layer["torch_us"], layer["triton_us"]) + 1e-9
+
+
+def test_engine_capture_plans_every_bucket_before_capturing():
+    engine = Engine(EngineConfig(ModelConfig.preset("tiny"), max_reqs=4, max_batch=4, device="cuda", buckets=(1, 4)))
+    engine.capture()
+    plan = engine.model.plan
+    assert sorted(plan.choices) == [1, 4]
+    assert all(set(choice) == set(PROJECTIONS) for choice in plan.choices.values())
