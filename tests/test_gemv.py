@@ -155,8 +155,9 @@ def test_linear_residual_equals_unfused(rows, k, n, dtype, seed):
     check_linear_residual("cpu", dtype, rows, k, n, seed=seed)
 
 
-# K steps of 256 (norm kernels) and 1024 / 256 (projection + residual at 16 / 64-row tiles):
-# K = 600 takes three or one, K = 1100 five or two (the last partial); rows 70: two row tiles.
+# bf16 K steps of 256 (norm kernels) and 1024 / 256 (projection + residual at 16 / 64-row
+# tiles), half that in float32: K = 600 and 1100 take several, the last partial; rows 70 take
+# two row tiles.
 @pytest.mark.parametrize("rows,k", [(33, 600), (70, 40), (3, 1100)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
 def test_several_k_steps_and_row_tiles(rows, k, dtype):

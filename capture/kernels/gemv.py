@@ -42,13 +42,20 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # binds tl.extra.cuda (gdc_wait, gdc_launch_dependents) for the kernels; older Tritons lack it
+    import triton.language.extra.cuda  # noqa: F401
+except ImportError:
+    pass
+
 from graphrelay.capture.kernels import layer_kernels as lk
 from graphrelay.capture.kernels.layer_kernels import _check_rotary, _expect, _expect_2d, _pick_backend, _round_to
 
 BLOCK_N = 16  # output features per program: the smallest tl.dot tile, so the most programs
-# K per loop step. Compiled for sm_90 (ptxas -v, 8 warps), a norm prologue or a second weight
-# tile spills registers above 256 at every row tile; the plain projection + residual does not
-# up to 16384 x elements (BLOCK_M x BLOCK_K) a step.
+# K per loop step, for 2-byte types (halved for float32). Compiled for sm_90 (ptxas -v, 8
+# warps), a norm prologue or a second weight tile spills registers above 256 at every row
+# tile; the plain projection + residual does not up to 16384 x elements (BLOCK_M x BLOCK_K).
+# float32 (an FMA dot, for tests and the CPU-sized presets) spills either way; halving keeps
+# its shared memory under Hopper's 227 KB at 64-row tiles.
 NORM_BLOCK_K = 256
 MAX_TILE = 16384
 EPILOGUE_NONE, EPILOGUE_RESIDUAL, EPILOGUE_SILU_MUL, EPILOGUE_ROTARY = 0, 1, 2, 3
@@ -78,7 +85,8 @@ def pdl_supported(device: torch.device) -> bool:
         from triton.backends.nvidia.compiler import CUDAOptions
     except ImportError:
         return False
-    return "launch_pdl" in CUDAOptions.__dataclass_fields__ and hasattr(tl.extra.cuda, "gdc_wait")
+    cuda = getattr(tl.extra, "cuda", None)
+    return "launch_pdl" in CUDAOptions.__dataclass_fields__ and hasattr(cuda, "gdc_wait")
 
 
 @triton.jit
@@ -265,7 +273,7 @@ def _launch(x, weight, out, *, n, epilogue, pdl, norm_weight=None, eps=0.0, resi
     m, k = x.shape
     block_m = max(16, min(64, triton.next_power_of_2(m)))
     widest = NORM_BLOCK_K if norm_weight is not None or epilogue >= EPILOGUE_SILU_MUL else MAX_TILE // block_m
-    block_k = max(16, min(triton.next_power_of_2(k), widest))
+    block_k = max(16, min(triton.next_power_of_2(k), widest * 2 // x.element_size()))
     tile_cols = n // 2 if epilogue == EPILOGUE_ROTARY else n
     rot = rotary or Rotary(x, x, x, x, x, x, 0, 0)
     d = rot.k_cache.shape[3] if rotary else 2

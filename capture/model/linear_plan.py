@@ -29,10 +29,12 @@ order of float32 sums; all-torch is op for op what the model ran before the plan
 from __future__ import annotations
 
 import bisect
+import math
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import msgspec
 import torch
+import triton
 
 from graphrelay.capture.kernels import gemv
 from graphrelay.capture.kernels import layer_kernels as kernels
@@ -201,7 +203,10 @@ def time_projections(model: "LlamaModel", sizes: Sequence[int], *, stream: torch
                         "gate_up": lambda: ops.gate_up(pending, stream_x, layer),
                         "down": lambda: ops.down(act, stream_x, layer),
                     }[projection]
-                    times[backend] = _graph_us(call, stream)
+                    try:
+                        times[backend] = _graph_us(call, stream)
+                    except triton.runtime.errors.OutOfResources:  # a tile too big for this GPU: not a choice
+                        times[backend] = math.inf
                 timings.append(ProjectionTiming(rows, projection, times["torch"], times["triton"]))
     return timings
 
