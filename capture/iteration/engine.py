@@ -22,6 +22,7 @@ from graphrelay.capture.iteration.inputs import IterationInputs
 from graphrelay.capture.iteration.ngram import SpecConfig, TokenHistory
 from graphrelay.capture.iteration.spans import Span
 from graphrelay.capture.iteration.step import IterationStep
+from graphrelay.capture.model.linear_plan import LinearPlan
 from graphrelay.capture.model.memory_plan import check_fits, plan_memory
 from graphrelay.capture.model.model import LlamaModel, ModelConfig, ModelWeights
 from graphrelay.capture.parallel.tensor_parallel import Command, LaunchCommand, StopCommand, TensorParallel
@@ -32,6 +33,8 @@ from graphrelay.runtime import Stream
 
 
 DEFAULT_MAX_TOKENS = 2048
+# Above this many rows the Triton projections re-read their weights per 64-row tile: cuBLAS wins.
+SKINNY_ROWS = 64
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -168,6 +171,10 @@ class Engine:
     def capture(self) -> CaptureReport:
         """Warm up and capture every token bucket, then restart the mirror at iteration 0."""
         with self.activate():
+            # Projection backends per token bucket, timed on this GPU before anything is captured
+            # (only where a skinny GEMM can win; larger buckets keep cuBLAS).
+            small = [b for b in self.runner.buckets if b <= SKINNY_ROWS]
+            self.model.plan = LinearPlan.measured(self.model, small, stream=self.torch_stream)
             report = self.runner.capture()
         self.mirror.reset()
         self.iterations_launched = 0

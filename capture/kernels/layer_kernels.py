@@ -293,27 +293,14 @@ def rotary_and_cache_write(
     (in `q_out` when given). Out-of-range indices: see `_rotary_cache_kernel`.
     """
     n, width = _expect_2d("rotary qkv", qkv)
-    if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4 or k_cache.shape[2] != num_kv_heads:
-        got = list(k_cache.shape) if isinstance(k_cache, torch.Tensor) else type(k_cache).__name__
-        raise ValueError(f"rotary k_cache must be [cache_rows, seq_len, {num_kv_heads}, head_dim], got {got}")
-    cache_rows, seq_len, _, d = k_cache.shape
-    if d % 2 or width != (num_heads + 2 * num_kv_heads) * d:
-        raise ValueError(f"rotary qkv width {width} must be (num_heads + 2 * num_kv_heads) * head_dim "
-                         f"= ({num_heads} + 2 * {num_kv_heads}) * {d}, with an even head_dim")
-    dev = qkv.device
-    _expect("rotary qkv", qkv, (n, width), (qkv.dtype,), dev)
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _expect(f"rotary {name}", cache, tuple(k_cache.shape), (qkv.dtype,), dev)
-    table_rows = rope_cos.shape[0] if isinstance(rope_cos, torch.Tensor) else 0
-    for name, table in (("rope_cos", rope_cos), ("rope_sin", rope_sin)):
-        _expect(f"rotary {name}", table, (table_rows, d), (torch.float32,), dev)
-    for name, index in (("positions", positions), ("slots", slots)):
-        _expect(f"rotary {name}", index, (n,), INDEX_DTYPES, dev)
-    if q_out is not None:
-        _expect("rotary q_out", q_out, (n, num_heads, d), (qkv.dtype,), dev)
+    _check_rotary(n, width, qkv.dtype, qkv.device, rope_cos, rope_sin, positions, k_cache, v_cache, slots,
+                  num_heads, num_kv_heads, q_out)
+    _expect("rotary qkv", qkv, (n, width), (qkv.dtype,), qkv.device)
     if _pick_backend(backend, qkv) == "torch":
         return _rotary_torch(qkv, rope_cos, rope_sin, positions, k_cache, v_cache, slots, num_heads, q_out)
 
+    cache_rows, seq_len, _, d = k_cache.shape
+    table_rows = rope_cos.shape[0]
     q_out = qkv.new_empty(n, num_heads, d) if q_out is None else q_out
     qk_block = triton.next_power_of_2(num_heads + num_kv_heads)
     d_block = triton.next_power_of_2(d)
@@ -328,6 +315,28 @@ def rotary_and_cache_write(
         enable_fp_fusion=False,
     )
     return q_out
+
+
+def _check_rotary(n, width, dtype, dev, rope_cos, rope_sin, positions, k_cache, v_cache, slots, num_heads,
+                  num_kv_heads, q_out) -> None:
+    """The arguments of a rotary + cache write for `n` rows of a QKV projection `width` wide in
+    `dtype` on `dev` (the projection itself is checked by the caller, or never materialized)."""
+    if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4 or k_cache.shape[2] != num_kv_heads:
+        got = list(k_cache.shape) if isinstance(k_cache, torch.Tensor) else type(k_cache).__name__
+        raise ValueError(f"rotary k_cache must be [cache_rows, seq_len, {num_kv_heads}, head_dim], got {got}")
+    d = k_cache.shape[3]
+    if d % 2 or width != (num_heads + 2 * num_kv_heads) * d:
+        raise ValueError(f"rotary qkv width {width} must be (num_heads + 2 * num_kv_heads) * head_dim "
+                         f"= ({num_heads} + 2 * {num_kv_heads}) * {d}, with an even head_dim")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _expect(f"rotary {name}", cache, tuple(k_cache.shape), (dtype,), dev)
+    table_rows = rope_cos.shape[0] if isinstance(rope_cos, torch.Tensor) else 0
+    for name, table in (("rope_cos", rope_cos), ("rope_sin", rope_sin)):
+        _expect(f"rotary {name}", table, (table_rows, d), (torch.float32,), dev)
+    for name, index in (("positions", positions), ("slots", slots)):
+        _expect(f"rotary {name}", index, (n,), INDEX_DTYPES, dev)
+    if q_out is not None:
+        _expect("rotary q_out", q_out, (n, num_heads, d), (dtype,), dev)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,8 @@
 `[slot, position]` KV cache.
 
 One path: `forward(ids, slots, positions, q-blocks)` runs a flat batch of T query tokens of any
-span kinds (prompt chunks, decode rows, verify spans) through the layer stack (GEMMs in torch,
+span kinds (prompt chunks, decode rows, verify spans) through the layer stack (projections in cuBLAS
+or in fused Triton skinny GEMMs, as `self.plan` picks per row count: `capture.model.linear_plan`;
 the rest in fused kernels on CUDA with torch twins on the CPU: `capture.kernels`), every op
 fixed-shape in T, no host syncs: it is what the engine captures per token bucket. Token t
 writes its K/V at `[slots[t], positions[t]]` and attends that slot's positions
@@ -23,9 +24,10 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import msgspec
 import torch
 
+from graphrelay.capture.kernels import gemv
 from graphrelay.capture.kernels.varlen_attention import PAGE, Q_BLOCK, VarlenWorkspace, identity_block_table, q_blocks, varlen_attention
-from graphrelay.capture.kernels import layer_kernels as kernels
 from graphrelay.capture.model.kv_cache import KVCache
+from graphrelay.capture.model.linear_plan import LinearPlan
 from graphrelay.config import DTYPES
 from graphrelay.runtime import to_device_async
 
@@ -301,6 +303,9 @@ class LlamaModel:
         self.kv_cache = KVCache(
             c.num_layers, max_reqs, c.max_seq_len, c.num_kv_heads, c.head_dim, c.torch_dtype, self.device
         )
+        # Backend per projection and row count; the engine replaces it with a measured plan
+        # (`LinearPlan.measured`) before it captures.
+        self.plan = LinearPlan.fixed("torch")
 
     # ----------------------------------------------------------------------------------------
     # Public paths
@@ -423,25 +428,23 @@ class LlamaModel:
         """Run all layers for n query rows; row i sits at `positions[i]` of slot `slots[i]`.
 
         attend(layer, q [n, h, d]) -> [n, h * d] attends over the cache after this step's K/V
-        were written. Returns the final-normed hidden [n, hidden]. About ten nodes per layer:
-        norm, QKV GEMM, rotary + cache write, attention, O GEMM, residual add + norm, gate/up
-        GEMM, SiLU-mul, down GEMM (the residual add is fused into the next norm).
+        were written. Returns the final-normed hidden [n, hidden]. Per layer, with every
+        projection on torch (`self.plan`): add + norm, QKV GEMM, rotary + cache write,
+        attention, O GEMM, add + norm, gate/up GEMM, SiLU-mul, down GEMM (an O / down output
+        stays pending until the next norm adds it); with every projection on Triton: norm +
+        QKV + rotary + cache write, attention, O + add, norm + gate/up + SiLU-mul, down + add.
         """
         c = self.shard
-        residual = self.embed.index_select(0, tokens)  # [n, hidden]
-        h = kernels.rms_norm(residual, self.layers[0].attn_norm, c.rms_eps)
+        ops = self.plan.ops(tokens.shape[0], c.rms_eps, self._all_reduce)
+        update, stream = None, self.embed.index_select(0, tokens)  # the residual stream [n, hidden]
         for index, layer in enumerate(self.layers):
-            if index:
-                h, residual = kernels.rms_norm(x, layer.attn_norm, c.rms_eps, residual=residual)
-            q = kernels.rotary_and_cache_write(
-                h @ layer.qkv.T, self.rope_cos, self.rope_sin, positions,
-                self.kv_cache.keys[index], self.kv_cache.values[index], slots, c.num_heads, c.num_kv_heads,
-            )
-            x = self._all_reduce(attend(index, q) @ layer.o.T)
-            h, residual = kernels.rms_norm(x, layer.mlp_norm, c.rms_eps, residual=residual)
-            x = self._all_reduce(kernels.silu_mul(h @ layer.gate_up.T) @ layer.down.T)
-        h, _ = kernels.rms_norm(x, self.final_norm, c.rms_eps, residual=residual)
-        return h
+            rotary = gemv.Rotary(self.rope_cos, self.rope_sin, positions, slots, self.kv_cache.keys[index],
+                                 self.kv_cache.values[index], c.num_heads, c.num_kv_heads)
+            q, stream = ops.qkv(update, stream, layer, rotary)
+            update, stream = ops.o(attend(index, q), stream, layer)
+            act, stream = ops.gate_up(update, stream, layer)
+            update, stream = ops.down(act, stream, layer)
+        return ops.final_norm(update, stream, self.final_norm)
 
     def _all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Under tensor parallelism each rank's O / down projection is a partial sum."""

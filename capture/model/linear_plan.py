@@ -1,0 +1,231 @@
+"""Which backend runs each projection of the layer stack, per row count: chosen by measurement.
+
+Per projection there are two ways to run it (`capture.kernels.gemv`):
+- "torch": today's unfused nodes, a cuBLAS GEMM between layer_kernels' norm and SiLU*up;
+  an O / down projection leaves its output pending and the next norm adds it in.
+- "triton": one fused skinny-GEMM node (norm + QKV + rotary + K/V append, O + residual add,
+  norm + gate/up + SiLU*up, down + residual add), launched with programmatic dependent launch
+  where the GPU has it.
+Which wins depends on the row count (a GEMV at 1 row, a real GEMM at 256) and on the GPU,
+so `LinearPlan.measured` times both inside small CUDA graphs at start-up, before the step is
+captured, and keeps the faster per (row count, projection). On a CPU, and under tensor
+parallelism (the residual add must follow the all-reduce), it is torch throughout.
+
+The layer stack threads the residual `stream` and a pending `update` (None once added):
+
+    ops = plan.ops(rows, eps, reduce)
+    update, stream = None, embeddings
+    for layer in layers:
+        q, stream = ops.qkv(update, stream, layer, rotary)   # rotary: that layer's gemv.Rotary
+        update, stream = ops.o(attention(q), stream, layer)
+        act, stream = ops.gate_up(update, stream, layer)
+        update, stream = ops.down(act, stream, layer)
+    hidden = ops.final_norm(update, stream, final_norm)
+
+Every combination of backends computes the same values as the all-torch stack up to the
+order of float32 sums; all-torch is op for op what the model ran before the plan existed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+
+import msgspec
+import torch
+import triton
+
+from graphrelay.capture.kernels import gemv
+from graphrelay.capture.kernels import layer_kernels as kernels
+
+if TYPE_CHECKING:
+    from graphrelay.capture.model.model import LayerWeights, LlamaModel
+
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+BACKENDS = ("torch", "triton")
+CHAIN = 16  # calls per timed graph: one replay's host cost (~5 us) spread thin
+REPLAYS = 5  # timed replays; the median graph counts
+
+
+class ProjectionTiming(msgspec.Struct, frozen=True):
+    """GPU microseconds per call of one projection at one row count, each backend."""
+
+    rows: int
+    projection: str
+    torch_us: float
+    triton_us: float
+
+    @property
+    def faster(self) -> str:
+        return "triton" if self.triton_us < self.torch_us else "torch"
+
+
+class LayerOps:
+    """One row count's projection entry points (see the module docstring for the chain)."""
+
+    def __init__(self, backends: Mapping[str, str], eps: float, reduce: Callable[[torch.Tensor], torch.Tensor],
+                 pdl: bool | None):
+        self.backends, self.eps, self.reduce, self.pdl = dict(backends), eps, reduce, pdl
+
+    def qkv(self, update, stream, layer: "LayerWeights", rotary: gemv.Rotary):
+        """-> (rotated q `[n, h, d]`, stream with `update` added); appends k and v to the
+        caches in `rotary`."""
+        return self._norm_projection(gemv.norm_qkv_rotary, "qkv", update, stream, layer.attn_norm, layer.qkv,
+                                     rotary)
+
+    def o(self, attn, stream, layer: "LayerWeights"):
+        """-> (pending update or None, stream)."""
+        return self._projection("o", attn, layer.o, stream)
+
+    def gate_up(self, update, stream, layer: "LayerWeights"):
+        """-> (silu(gate) * up `[n, inter]`, stream with `update` added)."""
+        return self._norm_projection(gemv.norm_gate_up_silu, "gate_up", update, stream, layer.mlp_norm,
+                                     layer.gate_up)
+
+    def down(self, act, stream, layer: "LayerWeights"):
+        """-> (pending update or None, stream)."""
+        return self._projection("down", act, layer.down, stream)
+
+    def final_norm(self, update, stream, weight: torch.Tensor) -> torch.Tensor:
+        if update is None:
+            return kernels.rms_norm(stream, weight, self.eps)
+        return kernels.rms_norm(update, weight, self.eps, residual=stream)[0]
+
+    def _norm_projection(self, fused, projection, update, stream, norm_weight, weight, *extra):
+        options = dict(backend=self.backends[projection], pdl=self.pdl)
+        if update is None:
+            return fused(stream, norm_weight, weight, self.eps, *extra, **options), stream
+        return fused(update, norm_weight, weight, self.eps, *extra, residual=stream, **options)
+
+    def _projection(self, projection, x, weight, stream):
+        if self.backends[projection] == "torch":
+            # Left pending: the next norm adds it in its own node (layer_kernels.rms_norm).
+            return self.reduce(x @ weight.T), stream
+        return None, gemv.linear_residual(x, weight, stream, out=stream, backend="triton", pdl=self.pdl)
+
+
+class LinearPlan:
+    """Backend per projection for each measured row count.
+
+    choices: row count -> projection -> backend. A call with `rows` rows uses the smallest
+    measured row count >= rows (buckets pad up to it); beyond the largest, `default`.
+    pdl: passed to the Triton kernels (None: on where the GPU supports it).
+    """
+
+    def __init__(self, choices: Mapping[int, Mapping[str, str]] | None = None, *, default: str = "torch",
+                 pdl: bool | None = None):
+        choices = dict(choices or {})
+        for rows, backends in choices.items():
+            if not isinstance(rows, int) or rows < 1:
+                raise ValueError(f"LinearPlan row counts must be positive ints, got {rows!r}")
+            if set(backends) != set(PROJECTIONS) or any(b not in BACKENDS for b in backends.values()):
+                raise ValueError(f"LinearPlan choices for {rows} rows must map each of {PROJECTIONS} to one of "
+                                 f"{BACKENDS}, got {dict(backends)}")
+        if default not in BACKENDS:
+            raise ValueError(f"LinearPlan default must be one of {BACKENDS}, got {default!r}")
+        self.choices = {rows: dict(choices[rows]) for rows in sorted(choices)}
+        self.default, self.pdl = default, pdl
+        self._sizes = list(self.choices)
+
+    @classmethod
+    def fixed(cls, backend: str, pdl: bool | None = None) -> "LinearPlan":
+        """Every projection on `backend` at every row count (tests; the CPU)."""
+        return cls(default=backend, pdl=pdl)
+
+    @classmethod
+    def from_timings(cls, timings: Sequence[ProjectionTiming], pdl: bool | None = None) -> "LinearPlan":
+        choices: dict[int, dict[str, str]] = {}
+        for t in timings:
+            choices.setdefault(t.rows, {})[t.projection] = t.faster
+        return cls(choices, pdl=pdl)
+
+    @classmethod
+    def measured(cls, model: "LlamaModel", sizes: Sequence[int], *,
+                 stream: torch.cuda.Stream | None = None) -> "LinearPlan":
+        """Time both backends for every projection at each row count in `sizes` (CUDA graphs,
+        on `stream`), keep the faster. Torch throughout on a CPU or under tensor parallelism.
+        Run it before capturing: it compiles the kernels the chosen plan launches."""
+        if model.device.type != "cuda" or model.tp is not None:
+            return cls.fixed("torch")
+        return cls.from_timings(time_projections(model, sizes, stream=stream))
+
+    def backends(self, rows: int) -> dict[str, str]:
+        at = bisect.bisect_left(self._sizes, rows)
+        if at == len(self._sizes):
+            return dict.fromkeys(PROJECTIONS, self.default)
+        return dict(self.choices[self._sizes[at]])
+
+    def ops(self, rows: int, eps: float, reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> LayerOps:
+        """The entry points for a forward of `rows` rows. reduce: applied to a pending
+        (torch-path) O / down output, e.g. the tensor-parallel all-reduce."""
+        return LayerOps(self.backends(rows), eps, reduce, self.pdl)
+
+
+# ----------------------------------------------------------------------------------------------
+# Measurement
+
+
+def time_projections(model: "LlamaModel", sizes: Sequence[int], *, stream: torch.cuda.Stream | None = None,
+                     pdl: bool | None = None) -> list[ProjectionTiming]:
+    """GPU µs per call of each projection on each backend at each row count, on layer 0's
+    weights (every layer has the same shapes). Each backend runs the form a chain of its own
+    calls takes: torch with a pending update to add (its add + norm node), Triton without.
+    The QKV projection includes the rotary and K/V append, into padding slot 0's cache rows."""
+    if model.device.type != "cuda":
+        raise ValueError(f"time_projections needs a CUDA model, got one on {model.device}")
+    bad = [s for s in sizes if not isinstance(s, int) or s < 1]
+    if not sizes or bad:
+        raise ValueError(f"time_projections sizes must be positive ints, got {list(sizes)}")
+    c, layer = model.shard, model.layers[0]
+    stream = stream or torch.cuda.Stream(model.device)  # capturing needs a stream other than the legacy default
+    timings = []
+    with torch.cuda.stream(stream), torch.no_grad():
+        for rows in sorted(set(sizes)):
+            gen = torch.Generator(device=model.device).manual_seed(rows)
+
+            def rand(width: int) -> torch.Tensor:
+                return torch.randn(rows, width, generator=gen, device=model.device).to(c.torch_dtype)
+
+            stream_x, update = rand(c.hidden_size), rand(c.hidden_size)
+            attn, act = rand(c.num_heads * c.head_dim), rand(c.intermediate_size)
+            positions = torch.arange(rows, device=model.device) % c.max_seq_len
+            rotary = gemv.Rotary(model.rope_cos, model.rope_sin, positions, torch.zeros_like(positions),
+                                 model.kv_cache.keys[0], model.kv_cache.values[0], c.num_heads, c.num_kv_heads)
+            for projection in PROJECTIONS:
+                times = {}
+                for backend in BACKENDS:
+                    ops = LinearPlan.fixed(backend, pdl=pdl).ops(rows, c.rms_eps)
+                    pending = update if backend == "torch" else None
+                    call = {
+                        "qkv": lambda: ops.qkv(pending, stream_x, layer, rotary),
+                        "o": lambda: ops.o(attn, stream_x, layer),
+                        "gate_up": lambda: ops.gate_up(pending, stream_x, layer),
+                        "down": lambda: ops.down(act, stream_x, layer),
+                    }[projection]
+                    try:
+                        times[backend] = _graph_us(call, stream)
+                    except triton.runtime.errors.OutOfResources:  # a tile too big for this GPU: not a choice
+                        times[backend] = math.inf
+                timings.append(ProjectionTiming(rows, projection, times["torch"], times["triton"]))
+    return timings
+
+
+def _graph_us(call: Callable[[], object], stream: torch.cuda.Stream) -> float:
+    """Median GPU µs per call over CHAIN calls captured in one graph, replayed REPLAYS times."""
+    call()  # compiles Triton kernels and settles cuBLAS' workspace outside the capture
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(CHAIN):
+            call()
+    graph.replay()  # the first launch uploads the graph
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(REPLAYS):
+        start.record(stream)
+        graph.replay()
+        end.record(stream)
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / CHAIN)
+    return sorted(samples)[len(samples) // 2]

@@ -1,0 +1,264 @@
+"""capture.kernels.gemv: each fused skinny-GEMM kernel (TRITON_INTERPRET=1 on CPU) against the
+unfused torch reference (rms_norm, matmul, silu_mul, add), over random row counts and widths
+that are and are not multiples of the tiles; the torch twins against the model's own math.
+
+The `check_*` functions take a device: tests/gpu/test_gemv_gpu.py runs them on CUDA at
+SmolLM2's shape. Tolerances (tests/test_layer_kernels.assert_matches): float32 within 1e-6
+relative (only the order of float32 sums differs); bf16 within 2 ulp (a normed input one ulp
+off moves a sum by less than an output ulp, and the sum order can flip a rounding), 3 after
+SiLU * up (both factors can be an ulp off).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from graphrelay.capture.kernels import gemv
+from graphrelay.capture.kernels import layer_kernels as lk
+from model_reference import rms_norm as model_rms_norm
+from test_layer_kernels import EPS, Shape, assert_matches, randn, rotary_case
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def assert_close_to(actual: torch.Tensor, expected: torch.Tensor, what: str, ulps: int) -> None:
+    if actual.dtype == torch.float32:
+        # Sums of up to a few thousand unit-scale products: the order moves the last bits.
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, msg=what)
+    else:
+        assert_matches(actual, expected, what, ulps)
+
+
+def inputs(device: str, dtype: torch.dtype, rows: int, k: int, n: int, seed: int) -> dict[str, torch.Tensor]:
+    """A layer's worth at unit scale: weights ~ k ** -0.5, the residual stream larger than the
+    update added to it, as in a model."""
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "x": randn(gen, rows, k, dtype=dtype, device=device),
+        "residual": randn(gen, rows, k, dtype=dtype, device=device, scale=4.0),
+        "norm_weight": randn(gen, k, dtype=dtype, device=device),
+        "weight": randn(gen, n, k, dtype=dtype, device=device, scale=k**-0.5),
+        "gate_up": randn(gen, 2 * n, k, dtype=dtype, device=device, scale=k**-0.5),
+        "stream": randn(gen, rows, n, dtype=dtype, device=device, scale=4.0),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks shared with the GPU tests
+
+
+def check_norm_linear(device, dtype, rows, k, n, *, with_residual, seed=0, pdl=None) -> None:
+    t = inputs(device, dtype, rows, k, n, seed)
+    residual = t["residual"] if with_residual else None
+    before = {name: v.clone() for name, v in t.items()}
+    got = gemv.norm_linear(t["x"], t["norm_weight"], t["weight"], EPS, residual=residual, backend="triton", pdl=pdl)
+    ref = gemv.norm_linear(t["x"], t["norm_weight"], t["weight"], EPS, residual=residual, backend="torch")
+    if with_residual:
+        (got, got_sum), (ref, ref_sum) = got, ref
+        assert torch.equal(got_sum, ref_sum), "x + residual is one rounded add: bit for bit"
+    assert_close_to(got, ref, f"norm_linear {dtype} rows={rows} k={k} n={n}", ulps=2)
+    assert all(torch.equal(v, before[name]) for name, v in t.items()), "an input changed"
+
+
+def check_norm_gate_up_silu(device, dtype, rows, k, n, *, with_residual, seed=0, pdl=None) -> None:
+    t = inputs(device, dtype, rows, k, n, seed)
+    residual = t["residual"] if with_residual else None
+    got = gemv.norm_gate_up_silu(t["x"], t["norm_weight"], t["gate_up"], EPS, residual=residual, backend="triton",
+                                 pdl=pdl)
+    ref = gemv.norm_gate_up_silu(t["x"], t["norm_weight"], t["gate_up"], EPS, residual=residual, backend="torch")
+    if with_residual:
+        (got, got_sum), (ref, ref_sum) = got, ref
+        assert torch.equal(got_sum, ref_sum)
+    assert got.shape == (rows, n)
+    assert_close_to(got, ref, f"norm_gate_up_silu {dtype} rows={rows} k={k} n={n}", ulps=3)
+
+
+def check_linear_residual(device, dtype, rows, k, n, *, seed=0, pdl=None) -> None:
+    t = inputs(device, dtype, rows, k, n, seed)
+    ref = gemv.linear_residual(t["x"], t["weight"], t["stream"], backend="torch")
+    got = gemv.linear_residual(t["x"], t["weight"], t["stream"], backend="triton", pdl=pdl)
+    assert_close_to(got, ref, f"linear_residual {dtype} rows={rows} k={k} n={n}", ulps=2)
+    stream = t["stream"].clone()
+    in_place = gemv.linear_residual(t["x"], t["weight"], stream, out=stream, backend="triton", pdl=pdl)
+    assert in_place is stream and torch.equal(stream, got), "in place (out=residual) equals out of place"
+
+
+def check_norm_qkv_rotary(device, dtype, rows, k, heads: Shape, *, with_residual, seed=0, pdl=None,
+                          cache_rows=6, seq_len=32) -> None:
+    """q against the unfused path's, and the caches: every entry the unfused path leaves as it
+    was stays bit for bit, the written ones agree as q does."""
+    width = (heads.heads + 2 * heads.kv_heads) * heads.head_dim
+    t = inputs(device, dtype, rows, k, width, seed)
+    case = rotary_case(heads, rows, dtype=dtype, device=device, cache_rows=cache_rows, seq_len=seq_len, seed=seed)
+    residual = t["residual"] if with_residual else None
+    results = {}
+    for backend in ("triton", "torch"):
+        rotary = gemv.Rotary(case.cos, case.sin, case.positions, case.slots, case.k_cache.clone(),
+                             case.v_cache.clone(), heads.heads, heads.kv_heads)
+        q = gemv.norm_qkv_rotary(t["x"], t["norm_weight"], t["weight"], EPS, rotary, residual=residual,
+                                 backend=backend, pdl=pdl if backend == "triton" else None)
+        results[backend] = (q, rotary.k_cache, rotary.v_cache)
+    (got, k_got, v_got), (ref, k_ref, v_ref) = results["triton"], results["torch"]
+    if with_residual:
+        (got, got_sum), (ref, ref_sum) = got, ref
+        assert torch.equal(got_sum, ref_sum)
+    what = f"norm_qkv_rotary {dtype} rows={rows} k={k} heads={heads}"
+    assert got.shape == (rows, heads.heads, heads.head_dim)
+    assert_close_to(got, ref, what + " q", ulps=2)
+    for name, a, b, before in (("k", k_got, k_ref, case.k_cache), ("v", v_got, v_ref, case.v_cache)):
+        untouched = (b == before).all(-1).all(-1)  # [cache_rows, seq_len]: rows the reference kept
+        assert torch.equal(a[untouched], before[untouched]), f"{what}: {name} written outside the rows' entries"
+        assert_close_to(a[~untouched], b[~untouched], f"{what} {name}_cache", ulps=2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton (interpreted) against the unfused reference, random shapes
+
+SHAPES = dict(
+    rows=st.integers(1, 8),
+    k=st.one_of(st.sampled_from([16, 64]), st.integers(1, 150)),  # tile multiples, and not
+    n=st.one_of(st.sampled_from([16, 48]), st.integers(1, 70)),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+)
+FEW = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@FEW
+@given(**SHAPES, with_residual=st.booleans())
+def test_norm_linear_equals_unfused(rows, k, n, dtype, seed, with_residual):
+    check_norm_linear("cpu", dtype, rows, k, n, with_residual=with_residual, seed=seed)
+
+
+@FEW
+@given(**SHAPES, with_residual=st.booleans())
+def test_norm_gate_up_silu_equals_unfused(rows, k, n, dtype, seed, with_residual):
+    check_norm_gate_up_silu("cpu", dtype, rows, k, n, with_residual=with_residual, seed=seed)
+
+
+HEADS = [Shape(0, 4, 2, 16, 0), Shape(0, 3, 1, 6, 0), Shape(0, 1, 1, 2, 0), Shape(0, 2, 2, 40, 0)]
+
+
+@FEW
+@given(rows=SHAPES["rows"], k=SHAPES["k"], heads=st.sampled_from(HEADS), dtype=SHAPES["dtype"],
+       seed=SHAPES["seed"], with_residual=st.booleans())
+def test_norm_qkv_rotary_equals_unfused(rows, k, heads, dtype, seed, with_residual):
+    check_norm_qkv_rotary("cpu", dtype, rows, k, heads, with_residual=with_residual, seed=seed)
+
+
+@FEW
+@given(**SHAPES)
+def test_linear_residual_equals_unfused(rows, k, n, dtype, seed):
+    check_linear_residual("cpu", dtype, rows, k, n, seed=seed)
+
+
+# bf16 K steps of 256 (norm kernels) and 1024 / 256 (projection + residual at 16 / 64-row
+# tiles), half that in float32: K = 600 and 1100 take several, the last partial; rows 70 take
+# two row tiles.
+@pytest.mark.parametrize("rows,k", [(33, 600), (70, 40), (3, 1100)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_several_k_steps_and_row_tiles(rows, k, dtype):
+    check_norm_linear("cpu", dtype, rows, k, 20, with_residual=True)
+    check_norm_gate_up_silu("cpu", dtype, rows, k, 20, with_residual=False)
+    check_linear_residual("cpu", dtype, rows, k, 20)
+    check_norm_qkv_rotary("cpu", dtype, rows, k, HEADS[0], with_residual=True, cache_rows=9, seq_len=64)
+
+
+# ----------------------------------------------------------------------------------------------
+# The torch twins are the model's math
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_torch_twins_equal_the_model_math(dtype):
+    t = inputs("cpu", dtype, 5, 40, 24, seed=3)
+    x, residual, nw, w, gate_up, stream = (t[k] for k in ("x", "residual", "norm_weight", "weight", "gate_up", "stream"))
+    total = residual + x
+    y, got_total = gemv.norm_linear(x, nw, w, EPS, residual=residual, backend="torch")
+    assert torch.equal(got_total, total) and torch.equal(y, model_rms_norm(total, nw, EPS) @ w.T)
+    assert torch.equal(gemv.norm_linear(x, nw, w, EPS, backend="torch"), model_rms_norm(x, nw, EPS) @ w.T)
+    gate, up = (model_rms_norm(x, nw, EPS) @ gate_up.T).chunk(2, dim=-1)
+    assert torch.equal(gemv.norm_gate_up_silu(x, nw, gate_up, EPS, backend="torch"),
+                       torch.nn.functional.silu(gate) * up)
+    assert torch.equal(gemv.linear_residual(x, w, stream, backend="torch"), stream + x @ w.T)
+
+
+@pytest.mark.parametrize("backend", lk.BACKENDS)
+def test_out_buffers_are_filled(backend):
+    t = inputs("cpu", torch.float32, 3, 40, 24, seed=4)
+    out, total_out = torch.full((3, 24), float("nan")), torch.full((3, 40), float("nan"))
+    y, total = gemv.norm_linear(t["x"], t["norm_weight"], t["weight"], EPS, residual=t["residual"], out=out,
+                                residual_out=total_out, backend=backend)
+    assert y is out and total is total_out
+    assert torch.equal(total_out, t["x"] + t["residual"]) and not out.isnan().any()
+    act = torch.full((3, 24), float("nan"))
+    assert gemv.norm_gate_up_silu(t["x"], t["norm_weight"], t["gate_up"], EPS, out=act, backend=backend) is act
+    assert not act.isnan().any()
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation
+
+
+def _bad(**overrides):
+    t = inputs("cpu", torch.float32, 2, 8, 6, seed=0)
+    return {**t, **overrides}
+
+
+def _rotary(heads: int = 1) -> gemv.Rotary:
+    """For `_bad()`'s width-6 projection: 1 q head, 1 KV head, head_dim 2."""
+    cache = torch.zeros(3, 8, 1, 2)
+    index = torch.zeros(2, dtype=torch.int64)
+    return gemv.Rotary(torch.ones(8, 2), torch.zeros(8, 2), index, index, cache, cache.clone(), heads, 1)
+
+
+BAD_CALLS = {
+    "norm weight width": (lambda b: gemv.norm_linear(
+        (t := _bad())["x"], torch.ones(7), t["weight"], EPS, backend=b), "norm_weight must be"),
+    "weight width": (lambda b: gemv.norm_linear(
+        (t := _bad())["x"], t["norm_weight"], torch.ones(6, 9), EPS, backend=b), "norm_linear weight must be"),
+    "weight dtype": (lambda b: gemv.linear_residual(
+        (t := _bad())["x"], t["weight"].bfloat16(), t["stream"], backend=b), "weight must be a torch.float32"),
+    "odd gate_up": (lambda b: gemv.norm_gate_up_silu(
+        (t := _bad())["x"], t["norm_weight"], torch.ones(5, 8), EPS, backend=b), "even"),
+    "residual_out aliases x": (lambda b: gemv.norm_linear(
+        (t := _bad())["x"], t["norm_weight"], t["weight"], EPS, residual=t["residual"], residual_out=t["x"],
+        backend=b), "must not alias"),
+    "residual_out alone": (lambda b: gemv.norm_linear(
+        (t := _bad())["x"], t["norm_weight"], t["weight"], EPS, residual_out=t["residual"], backend=b),
+        "needs residual"),
+    "stream shape": (lambda b: gemv.linear_residual(
+        (t := _bad())["x"], t["weight"], torch.ones(2, 7), backend=b), "residual must be"),
+    "out shape": (lambda b: gemv.norm_gate_up_silu(
+        (t := _bad())["x"], t["norm_weight"], t["gate_up"], EPS, out=torch.ones(2, 12), backend=b),
+        "out must be"),
+    "rotary not a Rotary": (lambda b: gemv.norm_qkv_rotary(
+        (t := _bad())["x"], t["norm_weight"], t["weight"], EPS, rotary=(), backend=b), "gemv.Rotary"),
+    "qkv width": (lambda b: gemv.norm_qkv_rotary(
+        (t := _bad())["x"], t["norm_weight"], t["weight"], EPS, _rotary(heads=2), backend=b), "qkv width 6"),
+    "rotary q_out": (lambda b: gemv.norm_qkv_rotary(
+        (t := _bad())["x"], t["norm_weight"], t["weight"], EPS, _rotary(), q_out=torch.ones(2, 6), backend=b),
+        "q_out must be"),
+    "x not contiguous": (lambda b: gemv.linear_residual(
+        torch.ones(8, 2).t(), (t := _bad())["weight"], t["stream"], backend=b), "contiguous"),
+}
+
+
+@pytest.mark.parametrize("backend", lk.BACKENDS)
+@pytest.mark.parametrize("case", BAD_CALLS, ids=list(BAD_CALLS))
+def test_bad_inputs_are_rejected_by_both_backends(case, backend):
+    call, match = BAD_CALLS[case]
+    with pytest.raises(ValueError, match=match):
+        call(backend)
+
+
+def test_pdl_on_a_cpu_is_refused_and_auto_is_off():
+    t = _bad()
+    assert not gemv.pdl_supported(torch.device("cpu"))
+    with pytest.raises(ValueError, match="pdl=True needs a CUDA device"):
+        gemv.linear_residual(t["x"], t["weight"], t["stream"], backend="triton", pdl=True)
+    stream = t["stream"].clone()
+    gemv.linear_residual(t["x"], t["weight"], stream, out=stream, backend="triton")  # pdl=None: off here
+    assert not torch.equal(stream, t["stream"])

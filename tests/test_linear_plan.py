@@ -1,0 +1,134 @@
+"""capture.model.linear_plan: the per-row-count backend lookup, the choice from timings, and the
+model's layer stack under every kind of plan: all-torch is the pre-plan stack op for op, and
+all-Triton or mixed plans (interpreted) give the same greedy tokens in float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphrelay.capture.kernels import attention, gemv
+from graphrelay.capture.kernels import layer_kernels as kernels
+from graphrelay.capture.model import linear_plan
+from graphrelay.capture.model.linear_plan import PROJECTIONS, LinearPlan, ProjectionTiming
+from graphrelay.capture.model.model import LlamaModel, ModelConfig
+
+ALL_TRITON = dict.fromkeys(PROJECTIONS, "triton")
+ALL_TORCH = dict.fromkeys(PROJECTIONS, "torch")
+
+
+def test_a_row_count_uses_the_smallest_measured_size_at_or_above_it():
+    mixed = {"qkv": "triton", "o": "torch", "gate_up": "triton", "down": "torch"}
+    plan = LinearPlan({8: mixed, 1: ALL_TRITON})
+    assert plan.backends(1) == ALL_TRITON
+    assert plan.backends(2) == plan.backends(8) == mixed
+    assert plan.backends(9) == ALL_TORCH  # beyond the largest: the default
+    assert LinearPlan.fixed("triton").backends(10_000) == ALL_TRITON
+
+
+def test_from_timings_keeps_the_faster_backend():
+    timings = [ProjectionTiming(4, p, torch_us=2.0, triton_us=us) for p, us in zip(PROJECTIONS, (1.0, 3.0, 2.0, 1.9))]
+    plan = LinearPlan.from_timings(timings)
+    assert plan.backends(4) == {"qkv": "triton", "o": "torch", "gate_up": "torch", "down": "triton"}
+
+
+@pytest.mark.parametrize("choices,default,match", [
+    ({0: ALL_TORCH}, "torch", "positive ints"),
+    ({4: {"qkv": "torch"}}, "torch", "must map each of"),
+    ({4: ALL_TORCH | {"o": "cublas"}}, "torch", "must map each of"),
+    ({}, "cuda", "default must be one of"),
+])
+def test_bad_plans_are_rejected(choices, default, match):
+    with pytest.raises(ValueError, match=match):
+        LinearPlan(choices, default=default)
+
+
+def test_a_cpu_model_is_planned_torch_without_timing(monkeypatch):
+    model = LlamaModel(ModelConfig(), 2, "cpu")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("timed on a CPU")
+
+    monkeypatch.setattr(linear_plan, "time_projections", refuse)
+    assert LinearPlan.measured(model, [1, 8]).backends(1) == ALL_TORCH
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="needs a CUDA model"):
+        linear_plan.time_projections(model, [1])
+
+
+# ----------------------------------------------------------------------------------------------
+# The model under each plan
+
+
+def pre_plan_forward(model, tokens, slots, positions, attend):
+    """The layer stack as it was before the plan: the all-torch plan must be it op for op."""
+    c = model.shard
+    residual = model.embed.index_select(0, tokens)
+    h = kernels.rms_norm(residual, model.layers[0].attn_norm, c.rms_eps)
+    for index, layer in enumerate(model.layers):
+        if index:
+            h, residual = kernels.rms_norm(x, layer.attn_norm, c.rms_eps, residual=residual)
+        q = kernels.rotary_and_cache_write(h @ layer.qkv.T, model.rope_cos, model.rope_sin, positions,
+                                           model.kv_cache.keys[index], model.kv_cache.values[index], slots,
+                                           c.num_heads, c.num_kv_heads)
+        x = attend(index, q) @ layer.o.T
+        h, residual = kernels.rms_norm(x, layer.mlp_norm, c.rms_eps, residual=residual)
+        x = kernels.silu_mul(h @ layer.gate_up.T) @ layer.down.T
+    return kernels.rms_norm(x, model.final_norm, c.rms_eps, residual=residual)[0]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_torch_plan_is_the_pre_plan_stack_bit_for_bit(dtype):
+    model = LlamaModel(ModelConfig(dtype=dtype), 3, "cpu")
+    tokens, slots, positions = torch.tensor([5, 9, 0]), torch.tensor([1, 2, 0]), torch.tensor([0, 0, 1])
+
+    def attend(index, q):
+        return attention.decode_attention(q, model.kv_cache.keys[index], model.kv_cache.values[index], slots,
+                                          positions, scale=model.scale)
+
+    got = model._forward(tokens, slots, positions, attend)
+    assert torch.equal(got, pre_plan_forward(model, tokens, slots, positions, attend))
+
+
+PROMPTS = {1: [1, 2, 3], 3: [9, 8, 7, 6, 5, 4], 2: [44]}
+STEPS = 4
+
+
+def greedy_run(plan: LinearPlan) -> tuple[dict[int, list[int]], torch.Tensor]:
+    """Prefill PROMPTS one by one, then STEPS decode steps of all of them plus a padding row;
+    returns every slot's tokens and the last step's logits."""
+    model = LlamaModel(ModelConfig(), 4, "cpu")
+    model.plan = plan
+    sequences = {slot: prompt + [int(model.prefill([slot], [prompt])[0].argmax())] for slot, prompt in PROMPTS.items()}
+    for _ in range(STEPS):
+        rows = [(sequences[s][-1], s, len(sequences[s]) - 1) for s in sequences] + [(0, 0, 1)]
+        tokens, slots, seq_lens = (torch.tensor(col, dtype=torch.int32) for col in zip(*rows))
+        logits = model.decode(tokens, slots, seq_lens)
+        for row, slot in enumerate(sequences):
+            sequences[slot].append(int(logits[row].argmax()))
+    return sequences, logits
+
+
+@pytest.fixture(scope="module")
+def torch_run():
+    return greedy_run(LinearPlan.fixed("torch"))
+
+
+# Mixed plans chain a Triton projection after a torch one that left its update pending (the
+# fused residual-add prologue) and a torch norm after a Triton residual epilogue.
+@pytest.mark.parametrize("backends", [
+    ALL_TRITON,
+    {"qkv": "triton", "o": "torch", "gate_up": "triton", "down": "torch"},
+    {"qkv": "torch", "o": "triton", "gate_up": "torch", "down": "triton"},
+], ids=["triton", "norms-triton", "residuals-triton"])
+def test_greedy_tokens_equal_under_triton_and_mixed_plans(torch_run, backends, monkeypatch):
+    expected_tokens, expected_logits = torch_run
+    launches = []
+    launch = gemv._launch
+    monkeypatch.setattr(gemv, "_launch", lambda *args, **kwargs: launches.append(1) or launch(*args, **kwargs))
+    # Prefill rows (up to 6) and decode rows (4) both fall in the 8-row entry.
+    tokens, logits = greedy_run(LinearPlan({8: backends}))
+    forwards, layers = len(PROMPTS) + STEPS, ModelConfig().num_layers
+    assert len(launches) == forwards * layers * list(backends.values()).count("triton")
+    assert tokens == expected_tokens
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
