@@ -16,6 +16,9 @@ import msgspec
 import torch
 
 from graphrelay.capture.iteration.buckets import default_buckets
+from graphrelay.capture.iteration.controls.logprobs import TokenLogprobs
+from graphrelay.capture.iteration.controls.params import ControlParams
+from graphrelay.capture.iteration.controls.state import ControlsConfig, SamplingControls
 from graphrelay.capture.iteration.graph_runner import CaptureReport, GraphRunner
 from graphrelay.capture.model.memory_plan import check_fits, plan_memory
 from graphrelay.capture.model.model import LlamaModel, ModelConfig, ModelWeights
@@ -53,6 +56,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefill_tokens: int = 2048
     spec: Optional[SpecConfig] = None
     debug: bool = False
+    controls: Optional[ControlsConfig] = None  # None: no sampling controls in the graphs
 
     def __post_init__(self) -> None:
         for name in ("max_reqs", "max_batch", "mirror_depth", "prefill_tokens"):
@@ -61,6 +65,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
         if self.max_top_k is not None and (not isinstance(self.max_top_k, int) or self.max_top_k < 1):
             raise ValueError(f"EngineConfig.max_top_k must be None or a positive int, got {self.max_top_k!r}")
+        if self.controls is not None and self.spec is not None:
+            raise ValueError("EngineConfig.controls with spec: today's SpecDecodeStep does not apply them; drop one")
 
     @property
     def decode_rows(self) -> int:
@@ -101,8 +107,15 @@ class Engine:
         self.mirror = HostMirror(self.relay, depth=config.mirror_depth, validate=False)
         self.inputs = DecodeInputs(max_batch, self.device)
         self.history = None
+        self.controls = None
+        if config.controls is not None:
+            if tp is not None:
+                raise ValueError("EngineConfig.controls are not wired through tensor parallelism yet; drop --tp or the controls")
+            self.controls = SamplingControls(config.controls, max_reqs, model_config.vocab_size, max_batch, self.device,
+                                             mirror_depth=config.mirror_depth)
         if spec is None:
-            self.step = DecodeStep(self.relay, self.model, self.mirror, self.inputs, max_top_k=max_top_k)
+            self.step = DecodeStep(self.relay, self.model, self.mirror, self.inputs, max_top_k=max_top_k,
+                                   controls=self.controls)
         else:
             self.history = TokenHistory(max_reqs, model_config.max_seq_len, self.device)
             self.step = SpecDecodeStep(self.relay, self.model, self.mirror, self.inputs, self.history, spec,
@@ -151,6 +164,8 @@ class Engine:
             report = self.runner.capture()
             self._warm_up_prefill()
         self.mirror.reset()
+        if self.controls is not None and self.controls.logprobs is not None:
+            self.controls.logprobs.reset()
         self.iterations_launched = 0
         return report
 
@@ -205,7 +220,12 @@ class Engine:
         params = torch.tensor([[c.params.temperature for c in chunks], [c.params.top_p for c in chunks]])
         dev, dev_params = to_device_async(host, self.device), to_device_async(params, self.device)
         slots = dev[0]
+        raw_logits = logits
+        if self.controls is not None:
+            logits, row_states = self.controls.before_sample(logits, slots, dev[3])
         tokens = sample(logits, dev_params[0], dev[1], dev[2], dev[3], top_p=dev_params[1], max_top_k=self.config.max_top_k)
+        if self.controls is not None:
+            self.controls.after_sample(slots, raw_logits, tokens, row_states)
         seq_lens = dev[4].to(self.relay.config.seq_len_torch_dtype)
         payload, accept_len = RelayPayload(tokens=tokens), None
         if self.config.spec is not None:  # a speculative relay carries the accepted run: here one token
@@ -215,6 +235,18 @@ class Engine:
         self.relay.stash_and_publish(slots, payload, seq_lens)
         self.mirror.write(slots, tokens, seq_lens, accept_len=accept_len)
         return self._recorded()
+
+    def admit_controls(self, slot: int, params: Optional[ControlParams], stop_tokens: Sequence[int],
+                       prompt: Sequence[int]) -> None:
+        """Load a request's controls into `slot` before its first prefill chunk (async)."""
+        self._require_engine_stream("admit_controls")
+        self.controls.admit(slot, params, stop_tokens, prompt)
+
+    def read_logprobs(self, read: MirrorRead) -> Optional[list[TokenLogprobs]]:
+        """The logprobs of `read`'s rows (before `fresh()`), or None without them."""
+        if self.controls is None or self.controls.logprobs is None:
+            return None
+        return self.controls.logprobs.read(read)
 
     def launch(self, batch: HostBatch) -> int:
         """Queue one decode iteration for `batch` (graph replay, or eager); returns its number."""

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Optional
 
 import msgspec
 
+from graphrelay.capture.iteration.controls.params import ControlParams
 from graphrelay.capture.iteration.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -30,6 +31,9 @@ class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     stop_tokens: tuple[int, ...] = ()
     sampling: SamplingParams = SamplingParams()
     arrival: float = 0.0
+    # Loaded once per request into per-slot device tables (EngineConfig.controls), unlike the
+    # sampling params every decode row stages: so they travel beside them.
+    controls: Optional[ControlParams] = None
 
     def __post_init__(self) -> None:
         if not self.prompt:

@@ -199,6 +199,20 @@ class SamplingControls:
         token_slots [T] (0 = padding), tokens [T]. `admit` does this from the whole prompt."""
         self.tables.counts.index_put_((token_slots.long(), tokens.long()), self._prompt_bit)
 
+    def before_sample(self, logits: torch.Tensor, row_slots: torch.Tensor, row_steps: torch.Tensor,
+                      row_states: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(controlled logits to sample from, the rows' automaton states): `row_states` by
+        default is each slot's current state (one row per request; pass `span_states`
+        flattened for verify spans)."""
+        states = self.row_states(row_slots) if row_states is None else row_states
+        return self.apply(logits, row_slots, row_steps, states), states
+
+    def after_sample(self, row_slots: torch.Tensor, raw_logits: torch.Tensor, tokens: torch.Tensor,
+                     row_states: torch.Tensor, emitted: Optional[torch.Tensor] = None) -> None:
+        """Count and advance by the emitted tokens, and carry the rows' logprobs to the host."""
+        self.observe(row_slots, tokens, row_states, emitted)
+        self.write_logprobs(row_slots, raw_logits, tokens)
+
     def write_logprobs(self, row_slots: torch.Tensor, raw_logits: torch.Tensor, tokens: torch.Tensor) -> None:
         """Logprobs of this step's rows into the channel (once per mirror write)."""
         if self.logprobs is not None:

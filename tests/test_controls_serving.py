@@ -1,0 +1,165 @@
+"""The controls end to end on the tiny model through the serving loop: each control changes the
+output (it acts), outputs agree across modes, requests without controls are unchanged when they
+share a batch with controlled ones, logprobs equal the model's log-softmax, and constrained
+outputs match their JSON schema or regex."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from graphrelay.capture.iteration.controls.grammar import GrammarCompiler, vocabulary
+from graphrelay.capture.iteration.controls.params import ControlParams
+from graphrelay.capture.iteration.controls.state import ControlsConfig, SamplingControls
+from graphrelay.capture.iteration.engine import Engine, EngineConfig
+from graphrelay.capture.iteration.sampling import SamplingParams
+from graphrelay.capture.model.model import ModelConfig
+from graphrelay.capture.serving.loop import ServingLoop
+from graphrelay.capture.serving.workloads import Request, SyntheticWorkload
+from model_reference import reference_logits
+
+MODEL = ModelConfig.preset("tiny")
+EOS = 0
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 4}, "ok": {"type": "boolean"}},
+          "required": ["name", "ok"]}
+REGEX = r"[a-c]{2,4}-[0-9]{1,3}"
+
+
+def token_strings() -> list:
+    """A made-up text vocabulary for the tiny model: printable ASCII, then seeded pairs."""
+    rng = random.Random(0)
+    chars = [chr(c) for c in range(32, 127)]
+    strings = [None] + chars
+    seen = set(strings)
+    while len(strings) < MODEL.vocab_size:
+        text = rng.choice(chars) + rng.choice(chars)
+        if text not in seen:
+            seen.add(text)
+            strings.append(text)
+    return strings
+
+
+STRINGS = token_strings()
+
+
+def make_engine(mode: str, device: str, controls=True) -> Engine:
+    engine = Engine(EngineConfig(
+        MODEL, max_reqs=6, max_batch=4, device=device, use_graphs=mode != "eager", buckets=(4,),
+        controls=ControlsConfig(max_bias=4, max_stop=2, grammar_states=512) if controls else None,
+    ))
+    if controls:
+        engine.controls.set_compiler(GrammarCompiler(vocabulary(STRINGS, EOS), MODEL.vocab_size))
+    engine.capture()
+    return engine
+
+
+def serve(requests, device, mode="overlap", controls=True):
+    return ServingLoop(make_engine(mode, device, controls), mode).run(requests).outputs
+
+
+def base_requests(n=4, **overrides):
+    spec = dict(num_requests=n, prompt_len=(3, 8), output_len=(10, 10), vocab_size=MODEL.vocab_size, seed=5)
+    spec.update(overrides)
+    return SyntheticWorkload(**spec).requests()
+
+
+def with_controls(request, **controls):
+    import msgspec
+
+    return msgspec.structs.replace(request, controls=ControlParams(**controls))
+
+
+CONTROLS = {
+    "frequency": dict(frequency_penalty=2.0),
+    "presence": dict(presence_penalty=2.0),
+    "repetition": dict(repetition_penalty=3.0),
+    "bias": dict(logit_bias={17: 100.0}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONTROLS))
+def test_each_control_acts_and_the_others_in_the_batch_are_unchanged(name, device):
+    requests = base_requests()
+    plain = serve(requests, device, controls=False)
+    mixed = [with_controls(r, **CONTROLS[name]) if i % 2 == 0 else r for i, r in enumerate(requests)]
+    out = serve(mixed, device)
+    for i, r in enumerate(requests):
+        if i % 2:
+            assert out[r.id].tokens == plain[r.id].tokens, f"{r.id} without controls changed"
+    changed = [out[r.id].tokens != plain[r.id].tokens for i, r in enumerate(requests) if i % 2 == 0]
+    assert any(changed), f"{name} changed no output"
+    if name == "bias":
+        assert all(set(out[r.id].tokens) == {17} for i, r in enumerate(requests) if i % 2 == 0)
+
+
+def test_min_tokens_delays_the_stop_token(device):
+    requests = base_requests(output_len=(12, 12))
+    probe = serve(requests, device, controls=False)
+    stop = probe[requests[0].id].tokens[1]  # a token greedy decoding emits early
+    stopped = [msgspec_replace(r, stop_tokens=(stop,)) for r in requests]
+    early = serve(stopped, device)[requests[0].id]
+    assert early.finish_reason == "stop" and len(early.tokens) <= 2
+    late = serve([with_controls(r, min_tokens=6) for r in stopped], device)[requests[0].id]
+    assert stop not in late.tokens[:6] and len(late.tokens) >= 6
+
+
+def msgspec_replace(request, **changes):
+    import msgspec
+
+    return msgspec.structs.replace(request, **changes)
+
+
+def test_logprobs_equal_the_models_log_softmax(device):
+    requests = [with_controls(r, logprobs=3, repetition_penalty=1.5) for r in base_requests(2)]
+    engine = make_engine("overlap", device)
+    out = ServingLoop(engine, "overlap").run(requests).outputs
+    for r in requests:
+        seq = list(r.prompt)
+        assert len(out[r.id].logprobs) == len(out[r.id].tokens)
+        for token, lp in zip(out[r.id].tokens, out[r.id].logprobs):
+            # Raw semantics: the model's distribution, before the repetition penalty.
+            ref = torch.log_softmax(reference_logits(engine.model, seq).double(), -1)
+            assert lp.logprob == pytest.approx(float(ref[token]), rel=1e-3, abs=1e-4)
+            assert [t for t, _ in lp.top] == ref.topk(3).indices.tolist()
+            assert [v for _, v in lp.top] == pytest.approx(ref.topk(3).values.tolist(), rel=1e-3, abs=1e-4)
+            seq.append(token)
+
+
+def grammar_requests(sampling):
+    out = []
+    for i, r in enumerate(base_requests(4, output_len=(48, 48))):
+        kind = dict(json_schema=json.dumps(SCHEMA)) if i % 2 == 0 else dict(regex=REGEX)
+        out.append(msgspec_replace(r, stop_tokens=(EOS,), controls=ControlParams(**kind),
+                                   sampling=SamplingParams(temperature=0.9, seed=100 + i) if sampling == "seeded" else r.sampling))
+    return out
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_constrained_outputs_match_their_schema_or_regex_in_every_mode(sampling, device):
+    requests = grammar_requests(sampling)
+    results = {mode: serve(requests, device, mode) for mode in ("overlap", "no-overlap", "eager")}
+    for i, r in enumerate(requests):
+        out = results["eager"][r.id]
+        assert out.finish_reason == "stop", f"{r.id} did not complete its grammar: {out.tokens}"
+        text = "".join(STRINGS[t] for t in out.tokens[:-1])
+        if i % 2 == 0:
+            jsonschema.validate(json.loads(text), SCHEMA)
+        else:
+            assert re.fullmatch(REGEX, text), text
+        for mode in ("overlap", "no-overlap"):
+            assert results[mode][r.id].tokens == out.tokens, f"{mode} differs from eager for {r.id}"
+
+
+def test_a_grammar_over_the_state_budget_is_refused_naming_it():
+    controls = SamplingControls(ControlsConfig(grammar_states=4), max_reqs=2, vocab_size=MODEL.vocab_size,
+                                max_rows=2, device="cpu",
+                                compiler=GrammarCompiler(vocabulary(STRINGS, EOS), MODEL.vocab_size))
+    before = controls.slot_state.clone()
+    with pytest.raises(ValueError, match="grammar_states"):
+        controls.admit(1, ControlParams(json_schema=json.dumps(SCHEMA)), (EOS,), [1, 2])
+    assert torch.equal(before, controls.slot_state)
