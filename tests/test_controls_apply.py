@@ -117,10 +117,9 @@ def test_observe_advances_the_grammar_state_and_span_states_follow_drafts():
     assert int(c.slot_state[3]) == 2
     assert run_apply(c, logits, [3])[0].isfinite().nonzero().flatten().tolist() == [6, 7]
     c.slot_state[3] = 1
-    spans = c.span_states(torch.tensor([3]), torch.tensor([[5, 6]]))
-    assert spans.tolist() == [[1, 2, 2]]
+    rows, _ = c.span_rows(torch.tensor([3]), torch.tensor([[5, 6]]))
+    assert rows.tolist() == [1, 2, 2]
     # A verify span of 3 rows with 2 accepted: the state is the one after the second.
-    rows = spans.flatten()
     c.observe(torch.tensor([3, 3, 3]), torch.tensor([5, 6, 9]), rows, emitted=torch.tensor([True, True, False]))
     assert int(c.slot_state[3]) == 2
     assert int(c.tables.counts[3, 5]) == 2 and int(c.tables.counts[3, 6]) == 1 and int(c.tables.counts[3, 9]) == 0
@@ -166,3 +165,25 @@ def test_triton_kernels_equal_the_torch_reference():
     got = run_apply(random_controls("triton"), logits, slots, steps)
     torch.testing.assert_close(got, want)
     assert torch.isinf(want).any() and not torch.equal(want, logits)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_verify_span_row_sees_what_plain_decoding_would_after_its_drafts(backend):
+    """Row j of a span, with drafts 0..j-1 counted and the automaton advanced past them, gets
+    the logits a single row gets once those drafts were observed."""
+    torch.manual_seed(4)
+    params = ControlParams(frequency_penalty=0.6, presence_penalty=0.4, repetition_penalty=1.4, min_tokens=2)
+    span, plain = controls(backend), controls(backend)
+    for c in (span, plain):
+        c.admit(1, params, (9,), [3, 4])  # first sampled step 1: stop 9 masked at steps 1, 2
+    drafts = torch.tensor([[9, 12, 9]])
+    logits = torch.randn(4, VOCAB)
+    states, row_drafts = span.span_rows(torch.tensor([1]), drafts)
+    got = span.apply(logits, torch.tensor([1] * 4), torch.arange(1, 5), states, row_drafts).clone()
+    for j in range(4):
+        one = torch.tensor([1])
+        want = plain.apply(logits[j : j + 1], one, torch.tensor([1 + j]), plain.row_states(one)).clone()
+        torch.testing.assert_close(got[j : j + 1], want)
+        if j < 3:
+            plain.observe(one, drafts[:, j], plain.row_states(one))
+    assert not torch.equal(got[0], got[3])

@@ -18,6 +18,7 @@ from graphrelay.capture.iteration.controls.params import ControlParams
 from graphrelay.capture.iteration.controls.state import ControlsConfig, SamplingControls
 from graphrelay.capture.iteration.engine import Engine, EngineConfig
 from graphrelay.capture.iteration.sampling import SamplingParams
+from graphrelay.capture.iteration.spec_step import SpecConfig
 from graphrelay.capture.model.model import ModelConfig
 from graphrelay.capture.serving.loop import ServingLoop
 from graphrelay.capture.serving.workloads import Request, SyntheticWorkload
@@ -47,9 +48,9 @@ def token_strings() -> list:
 STRINGS = token_strings()
 
 
-def make_engine(mode: str, device: str, controls=True) -> Engine:
+def make_engine(mode: str, device: str, controls=True, spec=None) -> Engine:
     engine = Engine(EngineConfig(
-        MODEL, max_reqs=6, max_batch=4, device=device, use_graphs=mode != "eager", buckets=(4,),
+        MODEL, max_reqs=6, max_batch=4, device=device, use_graphs=mode != "eager", buckets=(4,), spec=spec,
         controls=ControlsConfig(max_bias=4, max_stop=2, grammar_states=512) if controls else None,
     ))
     if controls:
@@ -58,8 +59,9 @@ def make_engine(mode: str, device: str, controls=True) -> Engine:
     return engine
 
 
-def serve(requests, device, mode="overlap", controls=True):
-    return ServingLoop(make_engine(mode, device, controls), mode).run(requests).outputs
+def serve(requests, device, mode="overlap", controls=True, spec=None, stats=False):
+    result = ServingLoop(make_engine(mode, device, controls, spec), mode).run(requests)
+    return (result.outputs, result.stats) if stats else result.outputs
 
 
 def base_requests(n=4, **overrides):
@@ -163,3 +165,23 @@ def test_a_grammar_over_the_state_budget_is_refused_naming_it():
     with pytest.raises(ValueError, match="grammar_states"):
         controls.admit(1, ControlParams(json_schema=json.dumps(SCHEMA)), (EOS,), [1, 2])
     assert torch.equal(before, controls.slot_state)
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_controlled_outputs_are_the_same_with_speculation(sampling, device):
+    """Verify rows see the counts and automaton state after their drafts, so accepted drafts
+    are exactly the tokens plain decoding would emit, logprobs included."""
+    controls = [dict(frequency_penalty=0.3, presence_penalty=0.2, logprobs=2), dict(repetition_penalty=1.2),
+                dict(min_tokens=8, logit_bias={3: 2.0}), dict(regex=REGEX), dict(json_schema=json.dumps(SCHEMA))]
+    requests = []
+    for i, r in enumerate(base_requests(5, vocab_size=6, prompt_len=(6, 12), output_len=(24, 24))):
+        sampling_params = SamplingParams(temperature=0.3, seed=i) if sampling == "seeded" else r.sampling
+        requests.append(msgspec_replace(r, stop_tokens=(EOS,), sampling=sampling_params, controls=ControlParams(**controls[i])))
+    plain = serve(requests, device, "no-overlap")
+    spec, stats = serve(requests, device, "overlap", spec=SpecConfig(k=3), stats=True)
+    assert stats.tokens_per_request_step > 1.0, "no draft was accepted: the test would prove nothing"
+    for r in requests:
+        assert spec[r.id].tokens == plain[r.id].tokens, r.id
+        assert spec[r.id].finish_reason == plain[r.id].finish_reason
+    for a, b in zip(spec[requests[0].id].logprobs, plain[requests[0].id].logprobs):
+        assert a.logprob == pytest.approx(b.logprob, rel=1e-4, abs=1e-5)

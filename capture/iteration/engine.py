@@ -65,8 +65,6 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
         if self.max_top_k is not None and (not isinstance(self.max_top_k, int) or self.max_top_k < 1):
             raise ValueError(f"EngineConfig.max_top_k must be None or a positive int, got {self.max_top_k!r}")
-        if self.controls is not None and self.spec is not None:
-            raise ValueError("EngineConfig.controls with spec: today's SpecDecodeStep does not apply them; drop one")
 
     @property
     def decode_rows(self) -> int:
@@ -111,7 +109,7 @@ class Engine:
         if config.controls is not None:
             if tp is not None:
                 raise ValueError("EngineConfig.controls are not wired through tensor parallelism yet; drop --tp or the controls")
-            self.controls = SamplingControls(config.controls, max_reqs, model_config.vocab_size, max_batch, self.device,
+            self.controls = SamplingControls(config.controls, max_reqs, model_config.vocab_size, rows, self.device,
                                              mirror_depth=config.mirror_depth)
         if spec is None:
             self.step = DecodeStep(self.relay, self.model, self.mirror, self.inputs, max_top_k=max_top_k,
@@ -119,7 +117,7 @@ class Engine:
         else:
             self.history = TokenHistory(max_reqs, model_config.max_seq_len, self.device)
             self.step = SpecDecodeStep(self.relay, self.model, self.mirror, self.inputs, self.history, spec,
-                                       max_top_k=max_top_k)
+                                       max_top_k=max_top_k, controls=self.controls)
         self.runner = GraphRunner(
             self.step, list(config.buckets) if config.buckets else default_buckets(max_batch), max_batch, self.device,
             use_graphs=config.use_graphs, progress=progress and (tp is None or tp.leads),

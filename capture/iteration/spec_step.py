@@ -26,6 +26,7 @@ import msgspec
 import torch
 
 from graphrelay.capture.iteration.accept import Accepted, accept, verify_rows, verify_tokens
+from graphrelay.capture.iteration.controls.state import SamplingControls
 from graphrelay.capture.model.model import LlamaModel
 from graphrelay.capture.iteration.ngram import Drafts, TokenHistory, propose
 from graphrelay.capture.iteration.sampling import sample
@@ -58,7 +59,8 @@ class SpecDecodeStep:
     """`step(bs)` for a speculative engine; every buffer is allocated here, at full shape."""
 
     def __init__(self, relay: Relay, model: LlamaModel, mirror: HostMirror, inputs: DecodeInputs,
-                 history: TokenHistory, spec: SpecConfig, *, max_top_k: int | None = None):
+                 history: TokenHistory, spec: SpecConfig, *, max_top_k: int | None = None,
+                 controls: SamplingControls | None = None):
         cfg = relay.config
         if cfg.accepted_tokens is None or cfg.accepted_tokens.shape != (spec.rows,) or cfg.accept_len is None:
             raise ValueError(f"a speculative relay needs accepted_tokens [{spec.rows}] and accept_len fields (see Engine)")
@@ -66,7 +68,7 @@ class SpecDecodeStep:
             raise ValueError(f"a speculative relay's max_batch must be inputs.max_batch * (k + 1) = "
                              f"{inputs.max_batch * spec.rows} (one mirror row per query row), got {cfg.max_batch}")
         self.relay, self.model, self.mirror, self.inputs, self.history = relay, model, mirror, inputs, history
-        self.spec, self.max_top_k = spec, max_top_k
+        self.spec, self.max_top_k, self.controls = spec, max_top_k, controls
         device, rows = relay.device, cfg.max_batch
         batch = inputs.max_batch
         self.resolved = relay.alloc_resolved(batch, dtypes={"tokens": torch.int64})
@@ -94,6 +96,13 @@ class SpecDecodeStep:
         def per_row(t: torch.Tensor) -> torch.Tensor:  # [bs] -> [bs * rows], request-major
             return t[:, None].expand(bs, rows).reshape(-1)
 
+        raw_logits = logits
+        if self.controls is not None:
+            # Row j is controlled as if drafts 0..j-1 were already emitted: their counts and the
+            # automaton state after them, so an accepted row saw what plain decoding would.
+            logits, row_states = self.controls.before_sample(logits, verify.slots, verify.positions,
+                                                             *self.controls.span_rows(inputs.slots, drafts.tokens))
+
         # The draw at query row j uses step p + j: what plain decoding uses at that position.
         target = sample(logits, per_row(inputs.temperature), per_row(inputs.top_k), per_row(inputs.seeds),
                         verify.positions, out=self.target[: bs * rows], max_top_k=self.max_top_k,
@@ -109,6 +118,8 @@ class SpecDecodeStep:
             new_seq_lens,
         )
         emitted = self.columns[None, :] < accepted.accept_len[:, None]  # [bs, k + 1]
+        if self.controls is not None:
+            self.controls.after_sample(verify.slots, raw_logits, target, row_states, emitted.view(-1))
         self.mirror.write(
             torch.where(emitted, inputs.slots[:, None], 0).view(-1),
             accepted.tokens.view(-1),

@@ -4,7 +4,8 @@ Per row r (slot s = row_slots[r], automaton state g = row_states[r], step p = ro
 over every token t, in this order:
   1. repetition (HF): a token seen in the prompt or generated has its logit divided by
      rep[s] when positive, else multiplied by it;
-  2. frequency / presence (OpenAI): minus freq[s] * n + pres[s] * (n > 0), n = times generated;
+  2. frequency / presence (OpenAI): minus freq[s] * n + pres[s] * (n > 0), n = times generated
+     (for a verify row, also the drafts before it in its span: `row_drafts` [n, k], -1 = none);
   3. masks (-inf): a token the automaton state g does not allow; a stop token of s while
      p < eos_until[s] (min_tokens);
   4. logit_bias: plus bias[s, j] at token bias_ids[s, j] (unique per slot, -1 = unused);
@@ -38,17 +39,19 @@ class ControlTables(NamedTuple):
     allowed: torch.Tensor  # [states, ceil(V / 32)] int32 grammar bitmask (row 0: all)
 
 
-def apply_torch(tables, logits, row_slots, row_steps, row_states, out):
+def apply_torch(tables, logits, row_slots, row_steps, row_states, out, row_drafts=None):
     """The reference: plain torch ops, any device."""
     slots = row_slots.long()
     vocab = logits.shape[1]
+    token = torch.arange(vocab, device=logits.device)
     counts = tables.counts[slots]  # [n, V]
+    if row_drafts is not None:
+        counts = counts + (token[None, :, None] == row_drafts[:, None, :]).sum(-1, dtype=torch.int32)
     generated = (counts & GENERATED_MASK).float()
     penalties = tables.penalties[slots]  # [n, 3]: freq, pres, rep
     freq, pres, rep = (penalties[:, i : i + 1] for i in range(3))
     x = torch.where(counts != 0, torch.where(logits > 0, logits / rep, logits * rep), logits)
     x = x - generated * freq - (generated > 0).float() * pres
-    token = torch.arange(vocab, device=logits.device)
     words = tables.allowed[row_states.long()][:, token >> 5]  # [n, V]
     allowed = ((words >> (token & 31)) & 1) != 0
     stop_ids = tables.stop_ids[slots]  # [n, S]
@@ -63,8 +66,8 @@ def apply_torch(tables, logits, row_slots, row_steps, row_states, out):
 
 @triton.jit
 def _dense_kernel(logits_ptr, logits_stride, out_ptr, out_stride, slots_ptr, steps_ptr, states_ptr,
-                  counts_ptr, penalties_ptr, eos_until_ptr, stop_ptr, allowed_ptr, vocab, words,
-                  NUM_STOP: tl.constexpr, BLOCK: tl.constexpr):
+                  counts_ptr, penalties_ptr, eos_until_ptr, stop_ptr, allowed_ptr, drafts_ptr, vocab, words,
+                  NUM_STOP: tl.constexpr, NUM_DRAFTS: tl.constexpr, DRAFTS_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     tokens = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     valid = tokens < vocab
@@ -73,6 +76,10 @@ def _dense_kernel(logits_ptr, logits_stride, out_ptr, out_stride, slots_ptr, ste
     state = tl.load(states_ptr + row).to(tl.int64)
     x = tl.load(logits_ptr + row * logits_stride + tokens, mask=valid, other=0.0)
     counts = tl.load(counts_ptr + slot * vocab + tokens, mask=valid, other=0)
+    if NUM_DRAFTS > 0:
+        j = tl.arange(0, DRAFTS_BLOCK)
+        drafts = tl.load(drafts_ptr + row * NUM_DRAFTS + j, mask=j < NUM_DRAFTS, other=-1)  # [D]
+        counts += tl.sum((tokens[:, None] == drafts[None, :]).to(tl.int32), axis=1)
     freq = tl.load(penalties_ptr + slot * 3)
     pres = tl.load(penalties_ptr + slot * 3 + 1)
     rep = tl.load(penalties_ptr + slot * 3 + 2)
@@ -101,14 +108,26 @@ def _bias_kernel(out_ptr, out_stride, slots_ptr, bias_ids_ptr, bias_values_ptr, 
     tl.store(where, tl.load(where, mask=used, other=0.0) + values, mask=used)
 
 
-def apply_triton(tables, logits, row_slots, row_steps, row_states, out):
-    """Two launches, no torch ops and no temporaries: fixed shape in the row count."""
+def apply_triton(tables, logits, row_slots, row_steps, row_states, out, row_drafts=None):
+    """Two launches, no torch ops and no temporaries: fixed shape in the row count.
+    row_drafts, when given, must be contiguous."""
     n, vocab = logits.shape
+    num_drafts = 0 if row_drafts is None else row_drafts.shape[1]
     _dense_kernel[(n, triton.cdiv(vocab, BLOCK))](
         logits, logits.stride(0), out, out.stride(0), row_slots, row_steps, row_states,
         tables.counts, tables.penalties, tables.eos_until, tables.stop_ids, tables.allowed,
-        vocab, tables.allowed.shape[1], NUM_STOP=tables.stop_ids.shape[1], BLOCK=BLOCK,
+        row_slots if row_drafts is None else row_drafts, vocab, tables.allowed.shape[1],
+        NUM_STOP=tables.stop_ids.shape[1], NUM_DRAFTS=num_drafts,
+        DRAFTS_BLOCK=triton.next_power_of_2(max(num_drafts, 1)), BLOCK=BLOCK,
     )
     _bias_kernel[(n,)](out, out.stride(0), row_slots, tables.bias_ids, tables.bias_values,
                        NUM_BIAS=tables.bias_ids.shape[1])
     return out
+
+
+def span_row_drafts(drafts: torch.Tensor) -> torch.Tensor:
+    """Each verify row's preceding drafts: [b * (k + 1), k], row j of a span holds drafts
+    0..j-1 then -1 (none). Fixed shape, capturable; penalties count them as generated."""
+    b, k = drafts.shape
+    before = torch.arange(k, device=drafts.device)[None, :] < torch.arange(k + 1, device=drafts.device)[:, None]
+    return torch.where(before[None], drafts.long()[:, None, :], -1).reshape(b * (k + 1), k)

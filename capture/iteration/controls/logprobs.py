@@ -42,7 +42,7 @@ def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, width: int = MAX_LO
 class LogprobChannel:
     def __init__(self, max_rows: int, depth: int, device: torch.device, width: int = MAX_LOGPROBS):
         self.depth, self.max_rows, self.width = depth, max_rows, width
-        fields = [("stamps", torch.int64, (depth,)), ("slots", torch.int64, (depth, max_rows)),
+        fields = [("stamps", torch.int64, (depth,)), ("counts", torch.int64, (depth,)), ("slots", torch.int64, (depth, max_rows)),
                   ("values", torch.float32, (depth, max_rows, 1 + width)), ("ids", torch.int64, (depth, max_rows, width))]
         offsets, end = [], 0
         for _, dtype, shape in fields:
@@ -62,6 +62,7 @@ class LogprobChannel:
         self.dev["slots"][:, :n].index_copy_(0, ring_slot, row_slots.long()[None])
         self.dev["values"][:, :n].index_copy_(0, ring_slot, values[None])
         self.dev["ids"][:, :n].index_copy_(0, ring_slot, ids[None])
+        self.dev["counts"].index_fill_(0, ring_slot, n)
         self.dev["stamps"].index_copy_(0, ring_slot, self.counter)
         self.counter.add_(1)
 
@@ -73,8 +74,8 @@ class LogprobChannel:
         if stamp != read.iteration:
             raise RuntimeError(f"LogprobChannel: ring slot {ring_slot} holds iteration {stamp}, expected {read.iteration}: "
                                "write it once per mirror write and reset both together")
-        slots = self.host["slots"][ring_slot]
-        rows = (slots != 0).nonzero().flatten()[: len(read)]
+        slots = self.host["slots"][ring_slot, : int(self.host["counts"][ring_slot])]
+        rows = (slots != 0).nonzero().flatten()
         values = self.host["values"][ring_slot, rows].tolist()
         ids = self.host["ids"][ring_slot, rows].tolist()
         return [TokenLogprobs(v[0], list(zip(i, v[1:]))) for v, i in zip(values, ids)]

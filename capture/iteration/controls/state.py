@@ -22,8 +22,8 @@ import torch
 
 from graphrelay.runtime import to_device_async
 
-from .apply import PROMPT_BIT, ControlTables, apply_torch, apply_triton
-from .grammar import GrammarCompiler, GrammarPool, bitmask_words, span_states
+from .apply import PROMPT_BIT, ControlTables, apply_torch, apply_triton, span_row_drafts
+from .grammar import GrammarCompiler, GrammarPool, span_states
 from .logprobs import LogprobChannel
 from .params import ControlParams
 
@@ -168,16 +168,18 @@ class SamplingControls:
         n = row_slots.shape[0]
         return torch.index_select(self.slot_state, 0, row_slots, out=self.states_out[:n])
 
-    def span_states(self, first_slots: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
-        """For verify spans: per request (slot [b]) its k + 1 rows' states after drafts
-        [b, k] 0..j-1: [b, k + 1] int32, flattened in row order for `apply`/`observe`."""
-        return span_states(self.grammar.next, self.slot_state[first_slots.long()], drafts)
+    def span_rows(self, slots: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For verify spans, request-major (request i's k + 1 rows are i * (k + 1) + j):
+        (row_states [b * (k + 1)] int32: the automaton state after drafts 0..j-1; row_drafts
+        [b * (k + 1), k]: those drafts, -1 padded), from slots [b] and drafts [b, k]."""
+        states = span_states(self.grammar.next, self.slot_state[slots.long()], drafts)
+        return states.reshape(-1), span_row_drafts(drafts)
 
     def apply(self, logits: torch.Tensor, row_slots: torch.Tensor, row_steps: torch.Tensor,
-              row_states: torch.Tensor) -> torch.Tensor:
+              row_states: torch.Tensor, row_drafts: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Controlled logits [n, V] float32 in a static buffer; `logits` stays raw."""
         n = logits.shape[0]
-        return self._apply(self.tables, logits, row_slots, row_steps, row_states, self.logits_out[:n])
+        return self._apply(self.tables, logits, row_slots, row_steps, row_states, self.logits_out[:n], row_drafts)
 
     def observe(self, row_slots: torch.Tensor, tokens: torch.Tensor, row_states: torch.Tensor,
                 emitted: Optional[torch.Tensor] = None) -> None:
@@ -200,18 +202,20 @@ class SamplingControls:
         self.tables.counts.index_put_((token_slots.long(), tokens.long()), self._prompt_bit)
 
     def before_sample(self, logits: torch.Tensor, row_slots: torch.Tensor, row_steps: torch.Tensor,
-                      row_states: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      row_states: Optional[torch.Tensor] = None,
+                      row_drafts: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(controlled logits to sample from, the rows' automaton states): `row_states` by
-        default is each slot's current state (one row per request; pass `span_states`
-        flattened for verify spans)."""
+        default is each slot's current state (one row per request; for verify spans pass
+        both of `span_rows`)."""
         states = self.row_states(row_slots) if row_states is None else row_states
-        return self.apply(logits, row_slots, row_steps, states), states
+        return self.apply(logits, row_slots, row_steps, states, row_drafts), states
 
     def after_sample(self, row_slots: torch.Tensor, raw_logits: torch.Tensor, tokens: torch.Tensor,
                      row_states: torch.Tensor, emitted: Optional[torch.Tensor] = None) -> None:
-        """Count and advance by the emitted tokens, and carry the rows' logprobs to the host."""
+        """Count and advance by the emitted tokens, and carry the rows' logprobs to the host
+        (rows not emitted as padding, as the mirror writes them)."""
         self.observe(row_slots, tokens, row_states, emitted)
-        self.write_logprobs(row_slots, raw_logits, tokens)
+        self.write_logprobs(row_slots if emitted is None else torch.where(emitted, row_slots, 0), raw_logits, tokens)
 
     def write_logprobs(self, row_slots: torch.Tensor, raw_logits: torch.Tensor, tokens: torch.Tensor) -> None:
         """Logprobs of this step's rows into the channel (once per mirror write)."""
