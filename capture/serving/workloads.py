@@ -17,6 +17,7 @@ import msgspec
 
 from graphrelay.capture.iteration.controls.params import ControlParams
 from graphrelay.capture.iteration.sampling import SamplingParams
+from graphrelay.capture.serving.request_controls import move_openai_names
 
 if TYPE_CHECKING:
     from graphrelay.capture.model.text import TextCodec
@@ -133,6 +134,7 @@ def load_jsonl(path: str | Path, codec: Optional["TextCodec"] = None, chat: bool
                 try:
                     raw = decoder.decode(line)
                     raw.setdefault("id", str(number))
+                    move_openai_names(raw)
                     _encode_text(raw, codec, chat)
                     request = msgspec.convert(raw, Request)
                 except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:

@@ -62,6 +62,15 @@ def vocabulary(token_strings: Sequence[Optional[str]], eos_token: int):
     return Vocabulary(eos_token, by_text)
 
 
+def tokenizer_strings(tokenizer) -> list[Optional[str]]:
+    """Each token id's text from a transformers tokenizer (special tokens None).
+    NOTE: a byte-level token holding part of a UTF-8 character comes out as U+FFFD, so a
+    grammar sees it as that character; outputs stay valid, such tokens are just rarely fit."""
+    special = set(tokenizer.all_special_ids)
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return [None if i in special else tokenizer.convert_tokens_to_string([p]) for i, p in enumerate(pieces)]
+
+
 class GrammarCompiler:
     """Compiles (kind, source) to a `CompiledGrammar` over `vocab_size` tokens, cached by key."""
 

@@ -13,8 +13,7 @@ mirror's read of i returned (the same stream wrote both, the channel first).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
+import msgspec
 import torch
 
 from graphrelay.mirror import MirrorRead
@@ -23,8 +22,8 @@ from graphrelay.runtime import PinnedRing
 from .params import MAX_LOGPROBS
 
 
-class TokenLogprobs(NamedTuple):
-    """One row's values on the host."""
+class TokenLogprobs(msgspec.Struct, frozen=True):
+    """One token's values on the host (serve --json writes them by these names)."""
 
     logprob: float  # the sampled token's
     top: list[tuple[int, float]]  # (token, logprob), best first
