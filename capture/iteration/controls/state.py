@@ -91,7 +91,6 @@ class SamplingControls:
         self._apply = apply_triton if backend == "triton" else apply_torch
         self.logprobs = LogprobChannel(max_rows, mirror_depth, self.device) if config.logprobs else None
         self.compiler = compiler
-        self._prompt_bit = torch.tensor(PROMPT_BIT, dtype=torch.int32, device=self.device)
         self._grammar_of: dict[int, tuple[str, str]] = {}
 
     @property
@@ -189,7 +188,8 @@ class SamplingControls:
         slots = row_slots.long()
         if emitted is None:
             emitted = slots != 0
-        self.tables.counts.index_put_((slots, tokens.long()), emitted.to(torch.int32), accumulate=True)
+        # Flat scatter-add: atomic adds, no sort and no sync (index_put_ with accumulate sorts).
+        self.tables.counts.view(-1).scatter_add_(0, slots * self.vocab_size + tokens.long(), emitted.to(torch.int32))
         ends_run = torch.ones_like(emitted)
         ends_run[:-1] = ~((slots[1:] == slots[:-1]) & emitted[1:])
         target = torch.where(emitted & ends_run, slots, self.max_reqs + 1)
@@ -199,7 +199,7 @@ class SamplingControls:
     def observe_prompt(self, token_slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Mark prompt tokens seen (repetition penalty), for a step that stages prompts itself:
         token_slots [T] (0 = padding), tokens [T]. `admit` does this from the whole prompt."""
-        self.tables.counts.index_put_((token_slots.long(), tokens.long()), self._prompt_bit)
+        self.tables.counts.view(-1).scatter_(0, token_slots.long() * self.vocab_size + tokens.long(), PROMPT_BIT)
 
     def before_sample(self, logits: torch.Tensor, row_slots: torch.Tensor, row_steps: torch.Tensor,
                       row_states: Optional[torch.Tensor] = None,
