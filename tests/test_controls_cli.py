@@ -81,3 +81,15 @@ def test_real_model_json_schema_and_regex_outputs_are_valid(tmp_path):
     assert outputs["schema"]["finish_reason"] == "stop", outputs["schema"]
     jsonschema.validate(json.loads(outputs["schema"]["text"]), SCHEMA)
     assert re.fullmatch("[0-9]{1,4}", outputs["regex"]["text"].strip()), outputs["regex"]
+
+
+def test_bench_controls_smoke_times_every_variant(tmp_path):
+    from graphrelay.tools.bench import bench_main
+    from graphrelay.tools.bench.controls import VARIANTS
+
+    assert bench_main(["controls", "--smoke", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "controls_bench.json").read_text())
+    assert set(report["rows"]) == set(VARIANTS) and report["smoke"] is True
+    assert all(row["step_us"] > 0 for row in report["rows"].values())
+    assert report["rows"]["off"]["controls_bytes"] == 0 < report["rows"]["idle"]["controls_bytes"]
+    assert all(t["measured"] is None for t in report["targets"])  # smoke numbers are not GPU numbers

@@ -6,14 +6,13 @@ outputs match their JSON schema or regex."""
 from __future__ import annotations
 
 import json
-import random
 import re
 
 import jsonschema
 import pytest
 import torch
 
-from graphrelay.capture.iteration.controls.grammar import GrammarCompiler, vocabulary
+from graphrelay.capture.iteration.controls.grammar import GrammarCompiler, made_up_token_strings, vocabulary
 from graphrelay.capture.iteration.controls.params import ControlParams
 from graphrelay.capture.iteration.controls.state import ControlsConfig, SamplingControls
 from graphrelay.capture.iteration.engine import Engine, EngineConfig
@@ -31,21 +30,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 REGEX = r"[a-c]{2,4}-[0-9]{1,3}"
 
 
-def token_strings() -> list:
-    """A made-up text vocabulary for the tiny model: printable ASCII, then seeded pairs."""
-    rng = random.Random(0)
-    chars = [chr(c) for c in range(32, 127)]
-    strings = [None] + chars
-    seen = set(strings)
-    while len(strings) < MODEL.vocab_size:
-        text = rng.choice(chars) + rng.choice(chars)
-        if text not in seen:
-            seen.add(text)
-            strings.append(text)
-    return strings
-
-
-STRINGS = token_strings()
+STRINGS = made_up_token_strings(MODEL.vocab_size)
 
 
 def make_engine(mode: str, device: str, controls=True, spec=None) -> Engine:

@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "relay": ("graphrelay.tools.bench.relay", "one relay iteration's cost for batch sizes 1..512, against its floor and a per-field baseline"),
     "loop": ("graphrelay.tools.bench.loop", "the serving loop in eager, no-overlap and overlap modes: tokens/s, iteration time, GPU idle"),
     "e2e": ("graphrelay.tools.bench.e2e", "graphrelay against transformers generate (static and dynamic cache), end to end, same model and workload"),
+    "controls": ("graphrelay.tools.bench.controls", "the sampling controls' cost in the captured decode step at batch 64, per control, against none"),
     "spec": ("graphrelay.tools.bench.spec", "plain against n-gram speculative decoding on SmolLM2-135M: tokens/s, accepted length, identical outputs"),
 }
 

@@ -18,6 +18,7 @@ masked until the output matches.
 
 from __future__ import annotations
 
+import random
 from typing import Optional, Sequence
 
 import numpy as np
@@ -69,6 +70,21 @@ def tokenizer_strings(tokenizer) -> list[Optional[str]]:
     special = set(tokenizer.all_special_ids)
     pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     return [None if i in special else tokenizer.convert_tokens_to_string([p]) for i, p in enumerate(pieces)]
+
+
+def made_up_token_strings(vocab_size: int, seed: int = 0) -> list[Optional[str]]:
+    """A text vocabulary for a model without a tokenizer (random weights: tests, benchmarks):
+    token 0 special (use it as EOS), then printable ASCII, then distinct seeded pairs of it."""
+    rng = random.Random(seed)
+    chars = [chr(c) for c in range(32, 127)]
+    strings: list[Optional[str]] = [None] + chars[: vocab_size - 1]
+    seen = set(strings)
+    while len(strings) < vocab_size:
+        text = rng.choice(chars) + rng.choice(chars) + ("" if len(seen) < 95 * 95 else rng.choice(chars))
+        if text not in seen:
+            seen.add(text)
+            strings.append(text)
+    return strings
 
 
 class GrammarCompiler:
