@@ -95,6 +95,8 @@ def test_bad_params_raise_before_any_state_changes():
         ControlParams(repetition_penalty=0.0)
     with pytest.raises(ValueError, match="logprobs"):
         ControlParams(logprobs=21)
+    with pytest.raises(ValueError, match="min_tokens cannot be combined"):
+        ControlParams(min_tokens=2, regex="a+")
     with pytest.raises(ValueError, match="not both"):
         ControlParams(json_schema="{}", regex="a")
 

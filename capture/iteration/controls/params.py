@@ -62,6 +62,11 @@ class ControlParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"ControlParams.logprobs must be None or an int in 0..{MAX_LOGPROBS}, got {n!r}")
         if self.json_schema is not None and self.regex is not None:
             raise ValueError("ControlParams takes json_schema or regex, not both: drop one")
+        if self.min_tokens and (self.json_schema is not None or self.regex is not None):
+            # The automaton may allow nothing but EOS (a complete match): masking it too would
+            # leave a row with no token to sample.
+            raise ValueError("ControlParams.min_tokens cannot be combined with json_schema / regex: drop min_tokens "
+                             "(the grammar decides where the output may end)")
         if self.json_schema is not None:
             try:
                 msgspec.json.decode(self.json_schema)
