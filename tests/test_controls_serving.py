@@ -170,3 +170,15 @@ def test_controlled_outputs_are_the_same_with_speculation(sampling, device):
         assert spec[r.id].finish_reason == plain[r.id].finish_reason
     for a, b in zip(spec[requests[0].id].logprobs, plain[requests[0].id].logprobs):
         assert a.logprob == pytest.approx(b.logprob, rel=1e-4, abs=1e-5)
+
+
+def test_the_loop_refuses_requests_the_controls_cannot_hold_before_serving():
+    engine = make_engine("eager", "cpu")
+    good = base_requests(1)[0]
+    too_many = with_controls(msgspec_replace(good, id="wide"), logit_bias={i: 1.0 for i in range(5)})
+    with pytest.raises(ValueError, match="request 'wide': logit_bias has 5 entries.*max_bias = 4"):
+        ServingLoop(engine, "eager").run([good, too_many])
+    assert engine.iterations_launched == 0
+    plain_engine = make_engine("eager", "cpu", controls=False)
+    with pytest.raises(ValueError, match="EngineConfig.controls"):
+        ServingLoop(plain_engine, "eager").run([with_controls(good, presence_penalty=1.0)])

@@ -96,6 +96,11 @@ class ServingLoop:
                 raise ValueError(f"request {r.id!r}: token id {max(r.prompt)} >= vocab_size {config.vocab_size}")
             if r.controls is not None and self.engine.controls is None:
                 raise ValueError(f"request {r.id!r} has sampling controls; build the engine with EngineConfig.controls")
+            if r.controls is not None:
+                try:
+                    self.engine.controls.check(r.controls, r.stop_tokens)
+                except ValueError as e:
+                    raise ValueError(f"request {r.id!r}: {e}") from None
         ids = [r.id for r in requests]
         if len(set(ids)) != len(ids):
             raise ValueError("request ids must be unique")

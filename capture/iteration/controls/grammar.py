@@ -152,17 +152,20 @@ class GrammarPool:
         if key in self._ranges:
             self._ranges[key][2] += 1
             return self._ranges[key][0]
-        if grammar.states > self.states - 1:
-            raise ValueError(
-                f"this grammar needs {grammar.states} automaton states but the static budget is "
-                f"{self.states - 1} (ControlsConfig.grammar_states - 1): raise grammar_states or simplify the schema"
-            )
+        self.check_fits(grammar)
         base = self._place(grammar.states)
         self._ranges[key] = [base, grammar.states, 1]
         rows = slice(base, base + grammar.states)
         self.allowed[rows].copy_(to_device_async(torch.from_numpy(grammar.packed_allowed()), self.device), non_blocking=True)
         self.next[rows].copy_(to_device_async(torch.from_numpy(grammar.next + base), self.device), non_blocking=True)
         return base
+
+    def check_fits(self, grammar: CompiledGrammar) -> None:
+        if grammar.states > self.states - 1:
+            raise ValueError(
+                f"this grammar needs {grammar.states} automaton states but the static budget is "
+                f"{self.states - 1} (ControlsConfig.grammar_states - 1): raise grammar_states or simplify the schema"
+            )
 
     def release(self, key: tuple[str, str]) -> None:
         """One user fewer; the rows stay loaded (a later request reuses them) until space is needed."""

@@ -105,13 +105,11 @@ class SamplingControls:
 
     # ---- host side ----------------------------------------------------------------------
 
-    def admit(self, slot: int, params: Optional[ControlParams], stop_tokens: Sequence[int], prompt: Sequence[int]) -> None:
-        """Reset `slot` for a new request: its params, its token counts (the prompt's tokens
-        marked seen) and its automaton state. Queued on the current stream; before the
-        request's first sampled row. Bad params raise before anything changes."""
+    def check(self, params: Optional[ControlParams], stop_tokens: Sequence[int]):
+        """Refuse params this engine cannot hold, naming the limit; compiles (and caches) the
+        request's grammar, so a scheduler can check every request before serving any.
+        Returns the compiled grammar (None when unconstrained)."""
         params = params or ControlParams()
-        if not 1 <= slot <= self.max_reqs:
-            raise ValueError(f"slot {slot} is outside 1..max_reqs {self.max_reqs}")
         cfg = self.config
         if len(params.logit_bias) > cfg.max_bias:
             raise ValueError(f"logit_bias has {len(params.logit_bias)} entries; the static limit is "
@@ -124,14 +122,26 @@ class SamplingControls:
                              f"ControlsConfig.max_stop = {cfg.max_stop}: raise it")
         if params.logprobs is not None and self.logprobs is None:
             raise ValueError("logprobs were asked for but the engine was built with ControlsConfig.logprobs=False")
+        if params.grammar is None:
+            return None
+        if self.compiler is None:
+            raise ValueError("json_schema / regex need a grammar compiler over the model's vocabulary: "
+                             "call SamplingControls.set_compiler (a text model) first")
+        compiled = self.compiler.compile(*params.grammar)
+        self.grammar.check_fits(compiled)
+        return compiled
+
+    def admit(self, slot: int, params: Optional[ControlParams], stop_tokens: Sequence[int], prompt: Sequence[int]) -> None:
+        """Reset `slot` for a new request: its params, its token counts (the prompt's tokens
+        marked seen) and its automaton state. Queued on the current stream; before the
+        request's first sampled row. Bad params raise before anything changes."""
+        params = params or ControlParams()
+        if not 1 <= slot <= self.max_reqs:
+            raise ValueError(f"slot {slot} is outside 1..max_reqs {self.max_reqs}")
+        compiled = self.check(params, stop_tokens)
+        cfg = self.config
         grammar = params.grammar
-        state = 0
-        if grammar is not None:
-            if self.compiler is None:
-                raise ValueError("json_schema / regex need a grammar compiler over the model's vocabulary: "
-                                 "call SamplingControls.set_compiler (a text model) first")
-            compiled = self.compiler.compile(*grammar)
-            state = self.grammar.acquire(grammar, compiled)
+        state = 0 if compiled is None else self.grammar.acquire(grammar, compiled)
         self.release(slot)
         if grammar is not None:
             self._grammar_of[slot] = grammar
