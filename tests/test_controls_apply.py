@@ -189,3 +189,14 @@ def test_a_verify_span_row_sees_what_plain_decoding_would_after_its_drafts(backe
         if j < 3:
             plain.observe(one, drafts[:, j], plain.row_states(one))
     assert not torch.equal(got[0], got[3])
+
+
+def test_observe_prompt_marks_what_admit_marks():
+    """The capturable prompt path (a step that stages prompt tokens itself) equals admit's."""
+    staged, admitted = controls(), controls()
+    params = ControlParams(repetition_penalty=2.0)
+    staged.admit(2, params, (), [])
+    admitted.admit(2, params, (), [4, 8, 8, 60])
+    staged.observe_prompt(torch.tensor([2, 2, 0, 2, 2]), torch.tensor([4, 8, 1, 8, 60]))  # 0: a padding token
+    assert torch.equal(staged.tables.counts[2], admitted.tables.counts[2])
+    assert int(staged.tables.counts[2].ne(0).sum()) == 3

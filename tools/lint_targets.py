@@ -17,6 +17,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from graphrelay.capture.iteration.controls.state import ControlsConfig  # noqa: E402
 from graphrelay.capture.iteration.engine import Engine, EngineConfig  # noqa: E402
 from graphrelay.capture.model.model import ModelConfig  # noqa: E402
 from graphrelay.capture.iteration.spec_step import SpecConfig  # noqa: E402
@@ -31,6 +32,8 @@ TARGETS = (
     "mirror_write",
     "decode_step",
     "spec_decode_step",
+    "decode_step_controls",
+    "spec_decode_step_controls",
 )
 
 _CONFIG = RelayConfig.eagle(8, 4, topk=4, hidden_size=16, confidence=FieldSpec((3,), "float32"))
@@ -96,6 +99,24 @@ def decode_step():
 def spec_decode_step():
     """The speculative iteration: drafting, verify, acceptance, relay and mirror, as captured."""
     engine = Engine(EngineConfig(ModelConfig(), max_reqs=8, max_batch=4, use_graphs=False, spec=SpecConfig(k=3)))
+    return _through_surface(engine.inputs, engine.step)
+
+
+def _controls() -> ControlsConfig:
+    return ControlsConfig(max_bias=4, max_stop=2, grammar_states=4,
+                          backend="triton" if os.environ.get("TRITON_INTERPRET") == "1" else None)
+
+
+def decode_step_controls():
+    """The decode step with every sampling control and logprobs in the graph."""
+    engine = Engine(EngineConfig(ModelConfig(), max_reqs=8, max_batch=4, use_graphs=False, controls=_controls()))
+    return _through_surface(engine.inputs, engine.step)
+
+
+def spec_decode_step_controls():
+    """The speculative step with the controls: verify rows see their drafts' counts and states."""
+    engine = Engine(EngineConfig(ModelConfig(), max_reqs=8, max_batch=4, use_graphs=False, spec=SpecConfig(k=3),
+                                 controls=_controls()))
     return _through_surface(engine.inputs, engine.step)
 
 
