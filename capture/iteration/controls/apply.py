@@ -84,7 +84,9 @@ def _dense_kernel(logits_ptr, logits_stride, out_ptr, out_stride, slots_ptr, ste
     pres = tl.load(penalties_ptr + slot * 3 + 1)
     rep = tl.load(penalties_ptr + slot * 3 + 2)
     generated = (counts & 0x3FFFFFFF).to(tl.float32)
-    x = tl.where(counts != 0, tl.where(x > 0, x / rep, x * rep), x)
+    # IEEE division and no fused multiply-adds (enable_fp_fusion=False at launch): the same
+    # roundings as the torch reference's separate ops.
+    x = tl.where(counts != 0, tl.where(x > 0, tl.math.div_rn(x, rep), x * rep), x)
     x = x - generated * freq - (generated > 0).to(tl.float32) * pres
     word = tl.load(allowed_ptr + state * words + (tokens >> 5), mask=valid, other=0)
     keep = ((word >> (tokens & 31)) & 1) != 0
@@ -118,7 +120,7 @@ def apply_triton(tables, logits, row_slots, row_steps, row_states, out, row_draf
         tables.counts, tables.penalties, tables.eos_until, tables.stop_ids, tables.allowed,
         row_slots if row_drafts is None else row_drafts, vocab, tables.allowed.shape[1],
         NUM_STOP=tables.stop_ids.shape[1], NUM_DRAFTS=num_drafts,
-        DRAFTS_BLOCK=triton.next_power_of_2(max(num_drafts, 1)), BLOCK=BLOCK,
+        DRAFTS_BLOCK=triton.next_power_of_2(max(num_drafts, 1)), BLOCK=BLOCK, enable_fp_fusion=False,
     )
     _bias_kernel[(n,)](out, out.stride(0), row_slots, tables.bias_ids, tables.bias_values,
                        NUM_BIAS=tables.bias_ids.shape[1])

@@ -173,8 +173,8 @@ class GrammarPool:
 
     def _place(self, size: int) -> int:
         """First fit among the gaps; evicts unused grammars (fewest rows first) when none fits.
-        NOTE: an evicted range may still be read by an in-flight iteration's rows of a finished
-        request; those rows' tokens are discarded, and every table value stays a valid row id."""
+        Overwriting an evicted range is safe: the load is queued on the engine's one stream,
+        after every iteration already launched that could still read the old rows."""
         while True:
             used = sorted((base, base + n) for base, n, _ in self._ranges.values())
             start = 1
