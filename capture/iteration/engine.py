@@ -180,6 +180,8 @@ class Engine:
             n = logits.shape[0]
             zeros = torch.zeros(n, dtype=torch.int64, device=self.device)
             ones = torch.ones(n, dtype=torch.float32, device=self.device)
+            if self.controls is not None:  # padding rows: reads the tables, writes only its outputs
+                logits = self.controls.apply(logits, zeros, zeros, self.controls.row_states(zeros))
             sample(logits, ones, zeros, zeros, zeros, top_p=ones * 0.9, max_top_k=self.config.max_top_k)
 
     @torch.no_grad()
