@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 import torch
 
-from graphrelay.capture.iteration.controls.grammar import GrammarCompiler, made_up_token_strings, vocabulary
+from graphrelay.capture.iteration.controls.grammar import GrammarCompiler, vocabulary
 from graphrelay.capture.iteration.controls.params import ControlParams
 from graphrelay.capture.iteration.controls.state import ControlsConfig, SamplingControls
 from graphrelay.capture.iteration.engine import Engine, EngineConfig
@@ -20,17 +20,13 @@ from graphrelay.capture.iteration.sampling import SamplingParams
 from graphrelay.capture.iteration.spec_step import SpecConfig
 from graphrelay.capture.model.model import ModelConfig
 from graphrelay.capture.serving.loop import ServingLoop
-from graphrelay.capture.serving.workloads import Request, SyntheticWorkload
+from graphrelay.capture.serving.workloads import SyntheticWorkload
+from controls_cases import EOS, REGEX, SCHEMA, STRINGS, msgspec_replace
 from model_reference import reference_logits
 
 MODEL = ModelConfig.preset("tiny")
-EOS = 0
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 4}, "ok": {"type": "boolean"}},
-          "required": ["name", "ok"]}
-REGEX = r"[a-c]{2,4}-[0-9]{1,3}"
 
 
-STRINGS = made_up_token_strings(MODEL.vocab_size)
 
 
 def make_engine(mode: str, device: str, controls=True, spec=None) -> Engine:
@@ -56,9 +52,7 @@ def base_requests(n=4, **overrides):
 
 
 def with_controls(request, **controls):
-    import msgspec
-
-    return msgspec.structs.replace(request, controls=ControlParams(**controls))
+    return msgspec_replace(request, controls=ControlParams(**controls))
 
 
 CONTROLS = {
@@ -93,12 +87,6 @@ def test_min_tokens_delays_the_stop_token(device):
     assert early.finish_reason == "stop" and len(early.tokens) <= 2
     late = serve([with_controls(r, min_tokens=6) for r in stopped], device)[requests[0].id]
     assert stop not in late.tokens[:6] and len(late.tokens) >= 6
-
-
-def msgspec_replace(request, **changes):
-    import msgspec
-
-    return msgspec.structs.replace(request, **changes)
 
 
 def test_logprobs_equal_the_models_log_softmax(device):

@@ -18,7 +18,7 @@ from graphrelay.capture.iteration.spec_step import SpecConfig
 from graphrelay.capture.model.model import ModelConfig
 from graphrelay.capture.serving.loop import ServingLoop
 from graphrelay.capture.serving.workloads import SyntheticWorkload
-from test_controls_serving import EOS, REGEX, SCHEMA, STRINGS, msgspec_replace
+from controls_cases import EOS, REGEX, SCHEMA, STRINGS, msgspec_replace
 
 pytestmark = pytest.mark.gpu
 
