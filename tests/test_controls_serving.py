@@ -29,10 +29,10 @@ MODEL = ModelConfig.preset("tiny")
 
 
 
-def make_engine(mode: str, device: str, controls=True, spec=None) -> Engine:
+def make_engine(mode: str, device: str, controls=True, spec=None, grammar_states=512) -> Engine:
     engine = Engine(EngineConfig(
         MODEL, max_reqs=6, max_batch=4, device=device, use_graphs=mode != "eager", buckets=(4,), spec=spec,
-        controls=ControlsConfig(max_bias=4, max_stop=2, grammar_states=512) if controls else None,
+        controls=ControlsConfig(max_bias=4, max_stop=2, grammar_states=grammar_states) if controls else None,
     ))
     if controls:
         engine.controls.set_compiler(GrammarCompiler(vocabulary(STRINGS, EOS), MODEL.vocab_size))
@@ -170,3 +170,18 @@ def test_the_loop_refuses_requests_the_controls_cannot_hold_before_serving():
     plain_engine = make_engine("eager", "cpu", controls=False)
     with pytest.raises(ValueError, match="EngineConfig.controls"):
         ServingLoop(plain_engine, "eager").run([with_controls(good, presence_penalty=1.0)])
+
+
+def test_a_grammar_that_does_not_fit_beside_those_in_use_waits_for_them():
+    """A pool with room for the schema's automaton or the regex's, not both: the regex requests
+    wait until the schema requests finish, then all complete and match."""
+    requests = grammar_requests("greedy")
+    engine = make_engine("eager", "cpu", grammar_states=44)  # schema 42 states, regex 9 (+ row 0)
+    out = ServingLoop(engine, "eager").run(requests).outputs
+    for i, r in enumerate(requests):
+        assert out[r.id].finish_reason == "stop", r.id
+        text = "".join(STRINGS[t] for t in out[r.id].tokens[:-1])
+        if i % 2 == 0:
+            jsonschema.validate(json.loads(text), SCHEMA)
+        else:
+            assert re.fullmatch(REGEX, text), text

@@ -174,7 +174,7 @@ class _Run:
         while budget > 0 and len(chunks) < self.engine.max_batch:
             if rows:
                 live = rows.pop(0)
-            elif self.pending and self.free and self.pending[0].arrival <= now:
+            elif self.pending and self.free and self.pending[0].arrival <= now and self._controls_fit(self.pending[0]):
                 live = _Live(self.pending.popleft(), self.free.pop())
                 if self.engine.controls is not None:
                     r = live.request
@@ -197,6 +197,12 @@ class _Run:
             self.live[chunk.slot].last_launch = iteration
         self.inflight.append(iteration)
         return True
+
+    def _controls_fit(self, request: Request) -> bool:
+        """A request whose grammar does not fit the pool beside those in use waits (FIFO) for
+        one to finish; alone it always fits (checked before serving)."""
+        controls = self.engine.controls
+        return controls is None or controls.can_admit(request.controls)
 
     def _launch(self) -> bool:
         rows = [self.live[s] for s in self.order if self.live[s].wants_decode()][: self.engine.max_batch]

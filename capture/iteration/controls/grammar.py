@@ -171,19 +171,28 @@ class GrammarPool:
         """One user fewer; the rows stay loaded (a later request reuses them) until space is needed."""
         self._ranges[key][2] -= 1
 
+    def can_hold(self, key: tuple[str, str], grammar: CompiledGrammar) -> bool:
+        """Whether `acquire` would succeed now, evicting idle grammars as needed (a scheduler
+        holds a request back until it does)."""
+        in_use = [(b, b + n) for b, n, users in self._ranges.values() if users]
+        return key in self._ranges or self._first_gap(grammar.states, in_use) is not None
+
+    def _first_gap(self, size: int, used: list[tuple[int, int]]) -> Optional[int]:
+        start = 1
+        for lo, hi in sorted(used):
+            if lo - start >= size:
+                return start
+            start = hi
+        return start if self.states - start >= size else None
+
     def _place(self, size: int) -> int:
         """First fit among the gaps; evicts unused grammars (fewest rows first) when none fits.
         Overwriting an evicted range is safe: the load is queued on the engine's one stream,
         after every iteration already launched that could still read the old rows."""
         while True:
-            used = sorted((base, base + n) for base, n, _ in self._ranges.values())
-            start = 1
-            for lo, hi in used:
-                if lo - start >= size:
-                    return start
-                start = hi
-            if self.states - start >= size:
-                return start
+            base = self._first_gap(size, [(b, b + n) for b, n, _ in self._ranges.values()])
+            if base is not None:
+                return base
             idle = [k for k, (_, _, users) in self._ranges.items() if users == 0]
             if not idle:
                 raise RuntimeError(

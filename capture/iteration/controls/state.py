@@ -131,6 +131,12 @@ class SamplingControls:
         self.grammar.check_fits(compiled)
         return compiled
 
+    def can_admit(self, params: Optional[ControlParams]) -> bool:
+        """Whether the request's grammar fits the pool now (after `check` passed)."""
+        if params is None or params.grammar is None:
+            return True
+        return self.grammar.can_hold(params.grammar, self.compiler.compile(*params.grammar))
+
     def admit(self, slot: int, params: Optional[ControlParams], stop_tokens: Sequence[int], prompt: Sequence[int]) -> None:
         """Reset `slot` for a new request: its params, its token counts (the prompt's tokens
         marked seen) and its automaton state. Queued on the current stream; before the
