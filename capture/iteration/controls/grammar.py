@@ -35,8 +35,8 @@ class CompiledGrammar:
     """One automaton with dense local state ids 0..n-1 (0 = initial): `allowed` [n, V] bool and
     `next` [n, V] int32 (a disallowed token stays in its state: it is never sampled)."""
 
-    def __init__(self, allowed: np.ndarray, next_state: np.ndarray, final: np.ndarray):
-        self.allowed, self.next, self.final = allowed, next_state, final
+    def __init__(self, allowed: np.ndarray, next_state: np.ndarray):
+        self.allowed, self.next = allowed, next_state
 
     @property
     def states(self) -> int:
@@ -129,9 +129,7 @@ class GrammarCompiler:
             tokens = np.fromiter(edges.keys(), dtype=np.int64, count=len(edges))
             allowed[row, tokens] = True
             next_state[row, tokens] = [local[t] for t in edges.values()]
-        final = np.zeros(n, dtype=bool)
-        final[[local[s] for s in index.get_final_states() if s in local]] = True
-        return CompiledGrammar(allowed, next_state, final)
+        return CompiledGrammar(allowed, next_state)
 
 
 class GrammarPool:
