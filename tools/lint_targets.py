@@ -17,6 +17,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from graphrelay.capture.iteration.controls.state import ControlsConfig  # noqa: E402
 from graphrelay.capture.iteration.engine import Engine, EngineConfig  # noqa: E402
 from graphrelay.capture.model.model import ModelConfig  # noqa: E402
 from graphrelay.capture.iteration.ngram import SpecConfig  # noqa: E402
@@ -33,6 +34,8 @@ TARGETS = (
     "mirror_write",
     "decode_step",
     "spec_decode_step",
+    "decode_step_controls",
+    "spec_decode_step_controls",
 )
 
 _CONFIG = RelayConfig.eagle(8, 4, topk=4, hidden_size=16, confidence=FieldSpec((3,), "float32"))
@@ -99,6 +102,25 @@ def spec_decode_step():
     """The speculative iteration: drafting, verify, acceptance, relay and mirror, as captured."""
     engine = Engine(EngineConfig(ModelConfig(), max_reqs=8, max_batch=4, use_graphs=False, spec=SpecConfig(k=3),
                                  max_tokens=24))
+    return _through_inputs(engine.inputs, engine.step, engine.config.tokens_per_decode)
+
+
+def _controls() -> ControlsConfig:
+    return ControlsConfig(max_bias=4, max_stop=2, grammar_states=4,
+                          backend="triton" if os.environ.get("TRITON_INTERPRET") == "1" else None)
+
+
+def decode_step_controls():
+    """The iteration with every sampling control and logprobs in the graph."""
+    engine = Engine(EngineConfig(ModelConfig(), max_reqs=8, max_batch=4, use_graphs=False, max_tokens=16,
+                                 controls=_controls()))
+    return _through_inputs(engine.inputs, engine.step, engine.config.tokens_per_decode)
+
+
+def spec_decode_step_controls():
+    """The speculative iteration with the controls: verify rows see their drafts' counts and states."""
+    engine = Engine(EngineConfig(ModelConfig(), max_reqs=8, max_batch=4, use_graphs=False, spec=SpecConfig(k=3),
+                                 max_tokens=24, controls=_controls()))
     return _through_inputs(engine.inputs, engine.step, engine.config.tokens_per_decode)
 
 

@@ -17,6 +17,9 @@ import msgspec
 import torch
 
 from graphrelay.capture.iteration.buckets import default_buckets
+from graphrelay.capture.iteration.controls.logprobs import TokenLogprobs
+from graphrelay.capture.iteration.controls.params import ControlParams
+from graphrelay.capture.iteration.controls.state import ControlsConfig, SamplingControls
 from graphrelay.capture.iteration.graph_runner import CaptureReport, GraphRunner
 from graphrelay.capture.iteration.inputs import IterationInputs
 from graphrelay.capture.iteration.ngram import SpecConfig, TokenHistory
@@ -58,6 +61,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_tokens: int = DEFAULT_MAX_TOKENS
     spec: Optional[SpecConfig] = None
     debug: bool = False
+    controls: Optional[ControlsConfig] = None  # None: no sampling controls in the graphs
 
     def __post_init__(self) -> None:
         for name in ("max_reqs", "max_batch", "mirror_depth", "max_tokens"):
@@ -121,8 +125,14 @@ class Engine:
                                 attention_buckets=[(b, self.inputs.geometry(b).spans) for b in buckets])
         self.mirror = HostMirror(self.relay, depth=config.mirror_depth, validate=False)
         self.history = TokenHistory(max_reqs, model_config.max_seq_len, self.device) if spec else None
+        self.controls = None
+        if config.controls is not None:
+            if tp is not None:
+                raise ValueError("EngineConfig.controls are not wired through tensor parallelism yet; drop --tp or the controls")
+            self.controls = SamplingControls(config.controls, max_reqs, model_config.vocab_size, rows, self.device,
+                                             mirror_depth=config.mirror_depth)
         self.step = IterationStep(self.relay, self.model, self.mirror, self.inputs, spec=spec, history=self.history,
-                                  max_top_k=config.max_top_k)
+                                  max_top_k=config.max_top_k, controls=self.controls)
         self.runner = GraphRunner(
             self.step, buckets, config.max_tokens, self.device,
             use_graphs=config.use_graphs, strict=True, progress=progress and (tp is None or tp.leads),
@@ -177,6 +187,8 @@ class Engine:
             self.model.plan = LinearPlan.measured(self.model, small, stream=self.torch_stream)
             report = self.runner.capture()
         self.mirror.reset()
+        if self.controls is not None and self.controls.logprobs is not None:
+            self.controls.logprobs.reset()
         self.iterations_launched = 0
         return report
 
@@ -229,6 +241,18 @@ class Engine:
             bound[span.slot] = span.start + len(span.tokens) if span.tokens else bound[span.slot] + self.span_tokens(span)
         longest = max(bound[s.slot] for s in spans) + 1  # a decode span's last token sits at the bound
         return min(self.model.config.max_seq_len, -(-longest // 64) * 64)
+
+    def admit_controls(self, slot: int, params: Optional[ControlParams], stop_tokens: Sequence[int],
+                       prompt: Sequence[int]) -> None:
+        """Load a request's controls into `slot` before its first prompt chunk (async)."""
+        self._require_engine_stream("admit_controls")
+        self.controls.admit(slot, params, stop_tokens, prompt)
+
+    def read_logprobs(self, read: MirrorRead) -> Optional[list[TokenLogprobs]]:
+        """The logprobs of `read`'s rows (before `fresh()`), or None without them."""
+        if self.controls is None or self.controls.logprobs is None:
+            return None
+        return self.controls.logprobs.read(read)
 
     def _require_engine_stream(self, call: str) -> None:
         """Work queued on another stream would not be ordered with the relay and mirror."""

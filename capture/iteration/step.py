@@ -29,6 +29,7 @@ import torch
 from graphrelay.capture.iteration.accept import Accepted, accept
 from graphrelay.capture.iteration.inputs import IterationInputs
 from graphrelay.capture.iteration.ngram import Drafts, SpecConfig, TokenHistory, propose
+from graphrelay.capture.iteration.controls.state import SamplingControls
 from graphrelay.capture.iteration.sampling import sample
 from graphrelay.capture.model.model import LlamaModel
 from graphrelay import Relay, RelayPayload
@@ -46,7 +47,7 @@ class IterationStep:
 
     def __init__(self, relay: Relay, model: LlamaModel, mirror: HostMirror, inputs: IterationInputs, *,
                  spec: Optional[SpecConfig] = None, history: Optional[TokenHistory] = None,
-                 max_top_k: Optional[int] = None):
+                 max_top_k: Optional[int] = None, controls: Optional[SamplingControls] = None):
         cfg = relay.config
         per = spec.rows if spec else 1
         top = inputs.geometry(inputs.max_tokens)
@@ -61,6 +62,7 @@ class IterationStep:
             raise ValueError("a speculative step needs a TokenHistory and a relay with accepted_tokens and accept_len")
         self.relay, self.model, self.mirror, self.inputs = relay, model, mirror, inputs
         self.spec, self.history, self.max_top_k, self.per = spec, history, max_top_k, per
+        self.controls = controls
         device, spans, rows = relay.device, top.spans + 1, top.rows
         self.scratch = inputs.max_tokens  # the token buffer's scratch entry
         # Eager runs only: a host-known bound on every position + 1 this iteration (the engine
@@ -110,12 +112,18 @@ class IterationStep:
         def per_row(t: torch.Tensor) -> torch.Tensor:  # [R] -> [S], request-major
             return t[:R, None].expand(R, per).reshape(-1)
 
+        first = row_positions.view(R, per)[:, 0]  # position of the token row 0 samples after
+        reported = torch.where(v.span_samples[:R].bool(), live_slots, 0)
+        raw_logits, row_slots = logits, per_row(reported)
+        if self.controls is not None:
+            # Penalties, bias, min_tokens and the grammar mask; a verify row j is controlled as
+            # if drafts 0..j-1 were emitted (their counts, the automaton state after them).
+            spans = () if self.spec is None else self.controls.span_rows(reported, drafts.tokens)
+            logits, row_states = self.controls.before_sample(logits, row_slots, row_positions, *spans)
         # The draw at a row uses its token's position as the step: what plain decoding uses at
         # that position, in every mode and batch composition.
         target = sample(logits, per_row(v.temperature), per_row(v.top_k), per_row(v.seeds), row_positions,
                         out=self.target[: g.rows], max_top_k=self.max_top_k, top_p=per_row(v.top_p))
-        first = row_positions.view(R, per)[:, 0]  # position of the token row 0 samples after
-        reported = torch.where(v.span_samples[:R].bool(), live_slots, 0)
         if self.spec is None:
             accept_len = None
             tokens_out, next_token, counts = target, target, 1
@@ -133,6 +141,8 @@ class IterationStep:
         self.relay.stash_and_publish(reported, payload, new_seq_lens)
         limit = counts if self.spec is None else counts[:, None]
         emitted = (v.row_live.view(R, per) != 0) & (self.columns[None, :] < limit)
+        if self.controls is not None:  # counts, states and logprobs of the emitted rows
+            self.controls.after_sample(row_slots, raw_logits, target, row_states, emitted.view(-1))
         self.mirror.write(
             torch.where(emitted, reported[:, None], 0).view(-1),
             tokens_out,

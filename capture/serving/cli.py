@@ -17,6 +17,8 @@ import msgspec
 import torch
 
 from graphrelay.capture.model.checkpoint import ENV_VAR
+from graphrelay.capture.iteration.controls.grammar import GrammarCompiler, tokenizer_strings, vocabulary
+from graphrelay.capture.iteration.controls.state import ControlsConfig
 from graphrelay.capture.iteration.engine import DEFAULT_MAX_TOKENS, Engine, EngineConfig
 from graphrelay.capture.iteration.graph_runner import CaptureReport
 from graphrelay.capture.serving.loop import MODES, LoopResult, ServingLoop
@@ -188,6 +190,7 @@ def _serve(args) -> int:
         model, max_reqs=args.max_reqs, max_batch=args.max_batch, device=str(device), use_graphs=use_graphs,
         buckets=tuple(args.buckets) if args.buckets else None, max_top_k=args.max_top_k,
         max_tokens=args.max_tokens, spec=_spec(args),
+        controls=ControlsConfig() if any(r.controls is not None for r in requests) else None,
     )
     if args.tp < 1:
         raise ValueError(f"--tp must be at least 1, got {args.tp}")
@@ -195,6 +198,10 @@ def _serve(args) -> int:
         result, capture, tp_line = _serve_tensor_parallel(args.tp, config, requests, args.mode, loaded, device, say)
     else:
         engine = Engine(config, weights=loaded.weights, progress=not args.quiet)
+        if engine.controls is not None and loaded.codec is not None:
+            tokenizer = loaded.codec.tokenizer
+            engine.controls.set_compiler(GrammarCompiler(
+                vocabulary(tokenizer_strings(tokenizer), tokenizer.eos_token_id), model.vocab_size))
         loop = ServingLoop(engine, args.mode)
         loop.check_requests(requests)
         capture = engine.capture()

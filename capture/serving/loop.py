@@ -27,6 +27,7 @@ from typing import Callable, Optional
 
 import msgspec
 
+from graphrelay.capture.iteration.controls.logprobs import TokenLogprobs
 from graphrelay.capture.iteration.engine import Engine
 from graphrelay.capture.serving.loop_stats import IterationClock, LoopStats
 from graphrelay.capture.iteration.spans import Span, decode_span, prefill_span
@@ -43,6 +44,7 @@ class RequestOutput(msgspec.Struct):
     ttft_ms: Optional[float] = None  # arrival to the first token on the host (None if aborted first)
     text: Optional[str] = None  # the decoded completion, when the request came as text
     token_times_ms: list[float] = []  # run time at which each token reached the host (latency benchmarks)
+    logprobs: Optional[list[TokenLogprobs]] = None  # per token, when the request asked (top cut to its n)
 
 
 class LoopResult(msgspec.Struct):
@@ -53,12 +55,13 @@ class LoopResult(msgspec.Struct):
 class _Live:
     """A request holding a slot."""
 
-    __slots__ = ("request", "slot", "tokens", "prefilled", "scheduled", "last_launch", "first_token_s", "token_times_ms", "done")
+    __slots__ = ("request", "slot", "tokens", "logprobs", "prefilled", "scheduled", "last_launch", "first_token_s", "token_times_ms", "done")
 
     def __init__(self, request: Request, slot: int):
         self.request = request
         self.slot = slot
         self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprobs] = []
         self.prefilled = 0  # prompt tokens launched in chunks so far
         self.scheduled = 0  # tokens that will exist once launched work lands
         self.last_launch = -1  # last iteration (prefill or decode) that touches this slot
@@ -95,6 +98,13 @@ class ServingLoop:
                 )
             if max(r.prompt) >= config.vocab_size:
                 raise ValueError(f"request {r.id!r}: token id {max(r.prompt)} >= vocab_size {config.vocab_size}")
+            if r.controls is not None and self.engine.controls is None:
+                raise ValueError(f"request {r.id!r} has sampling controls; build the engine with EngineConfig.controls")
+            if r.controls is not None:
+                try:
+                    self.engine.controls.check(r.controls, r.stop_tokens)
+                except ValueError as e:
+                    raise ValueError(f"request {r.id!r}: {e}") from None
         ids = [r.id for r in requests]
         if len(set(ids)) != len(ids):
             raise ValueError("request ids must be unique")
@@ -176,8 +186,11 @@ class _Run:
         while budget > 0 and len(spans) < engine.max_batch:
             if prompts:
                 live = prompts.pop(0)
-            elif self.pending and self.free and self.pending[0].arrival <= now:
+            elif self.pending and self.free and self.pending[0].arrival <= now and self._controls_fit(self.pending[0]):
                 live = _Live(self.pending.popleft(), self.free.pop())
+                if self.engine.controls is not None:
+                    r = live.request
+                    self.engine.admit_controls(live.slot, r.controls, r.stop_tokens, r.prompt)
                 self.live[live.slot] = live
                 self.order.append(live.slot)
             else:
@@ -190,6 +203,12 @@ class _Run:
             live.scheduled += int(last)
             spans.append(prefill_span(live.slot, live.request.sampling, live.request.prompt[start: start + n], start, last))
         return spans, decodes
+
+    def _controls_fit(self, request: Request) -> bool:
+        """A request whose grammar does not fit the pool beside those in use waits (FIFO) for
+        one to finish; alone it always fits (checked before serving)."""
+        controls = self.engine.controls
+        return controls is None or controls.can_admit(request.controls)
 
     def _launch(self) -> bool:
         spans, decodes = self._schedule()
@@ -218,17 +237,22 @@ class _Run:
         decoded = self.decode_slots.pop(iteration, set())
         self.request_steps += len(decoded.intersection(slots))
         self.decode_tokens += sum(slot in decoded for slot in slots)
-        for slot, token in zip(slots, tokens):
+        logprobs = self.engine.read_logprobs(read)
+        logprobs = [None] * len(fresh) if logprobs is None else [lp for lp, s in zip(logprobs, read.stale.tolist()) if not s]
+        for slot, token, lp in zip(slots, tokens, logprobs):
             live = self.live.get(slot)
             if live is None or live.done is not None:
                 continue  # the request finished while this iteration was in flight: discard
-            self._append(live, token)
+            self._append(live, token, lp)
 
-    def _append(self, live: _Live, token: int) -> None:
+    def _append(self, live: _Live, token: int, logprobs: Optional[TokenLogprobs] = None) -> None:
         if not live.tokens:
             live.first_token_s = self.clock.elapsed()
         live.tokens.append(token)
         live.token_times_ms.append(self.clock.elapsed() * 1e3)
+        wanted = live.request.controls.logprobs if live.request.controls is not None else None
+        if wanted is not None:
+            live.logprobs.append(TokenLogprobs(logprobs.logprob, logprobs.top[:wanted]))
         request = live.request
         if token in request.stop_tokens:
             self._finish(live, "stop")
@@ -238,8 +262,12 @@ class _Run:
     def _finish(self, live: _Live, reason: str) -> None:
         live.done = reason
         ttft = None if live.first_token_s is None else (live.first_token_s - live.request.arrival) * 1e3
+        wanted = live.request.controls is not None and live.request.controls.logprobs is not None
         self.outputs[live.request.id] = RequestOutput(live.request.id, list(live.tokens), reason, ttft_ms=ttft,
-                                                     token_times_ms=live.token_times_ms)
+                                                      token_times_ms=live.token_times_ms,
+                                                      logprobs=list(live.logprobs) if wanted else None)
+        if self.engine.controls is not None:
+            self.engine.controls.release(live.slot)
         del self.live[live.slot]
         self.order.remove(live.slot)
         self.retiring.append((live.slot, live.last_launch))

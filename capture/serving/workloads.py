@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Optional
 
 import msgspec
 
+from graphrelay.capture.iteration.controls.params import ControlParams
 from graphrelay.capture.iteration.sampling import SamplingParams
+from graphrelay.capture.serving.request_controls import move_openai_names
 
 if TYPE_CHECKING:
     from graphrelay.capture.model.text import TextCodec
@@ -30,6 +32,9 @@ class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     stop_tokens: tuple[int, ...] = ()
     sampling: SamplingParams = SamplingParams()
     arrival: float = 0.0
+    # Loaded once per request into per-slot device tables (EngineConfig.controls), unlike the
+    # sampling params every decode row stages: so they travel beside them.
+    controls: Optional[ControlParams] = None
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -129,6 +134,7 @@ def load_jsonl(path: str | Path, codec: Optional["TextCodec"] = None, chat: bool
                 try:
                     raw = decoder.decode(line)
                     raw.setdefault("id", str(number))
+                    move_openai_names(raw)
                     _encode_text(raw, codec, chat)
                     request = msgspec.convert(raw, Request)
                 except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
