@@ -17,7 +17,7 @@ from graphrelay.capture.iteration.controls.params import ControlParams
 from graphrelay.capture.iteration.controls.state import ControlsConfig, SamplingControls
 from graphrelay.capture.iteration.engine import Engine, EngineConfig
 from graphrelay.capture.iteration.sampling import SamplingParams
-from graphrelay.capture.iteration.spec_step import SpecConfig
+from graphrelay.capture.iteration.ngram import SpecConfig
 from graphrelay.capture.model.model import ModelConfig
 from graphrelay.capture.serving.loop import ServingLoop
 from graphrelay.capture.serving.workloads import SyntheticWorkload
@@ -31,7 +31,8 @@ MODEL = ModelConfig.preset("tiny")
 
 def make_engine(mode: str, device: str, controls=True, spec=None, grammar_states=512) -> Engine:
     engine = Engine(EngineConfig(
-        MODEL, max_reqs=6, max_batch=4, device=device, use_graphs=mode != "eager", buckets=(4,), spec=spec,
+        MODEL, max_reqs=6, max_batch=4, device=device, use_graphs=mode != "eager", max_tokens=32, buckets=(32,),
+        spec=spec,
         controls=ControlsConfig(max_bias=4, max_stop=2, grammar_states=grammar_states) if controls else None,
     ))
     if controls:

@@ -14,7 +14,7 @@ from graphrelay.capture.iteration.controls.params import ControlParams
 from graphrelay.capture.iteration.controls.state import ControlsConfig, SamplingControls
 from graphrelay.capture.iteration.engine import Engine, EngineConfig
 from graphrelay.capture.iteration.sampling import SamplingParams
-from graphrelay.capture.iteration.spec_step import SpecConfig
+from graphrelay.capture.iteration.ngram import SpecConfig
 from graphrelay.capture.model.model import ModelConfig
 from graphrelay.capture.serving.loop import ServingLoop
 from graphrelay.capture.serving.workloads import SyntheticWorkload
@@ -63,8 +63,9 @@ def requests(spec: bool):
 
 
 def run(use_graphs: bool, spec: bool):
-    engine = Engine(EngineConfig(MODEL, max_reqs=8, max_batch=4, device="cuda", use_graphs=use_graphs,
-                                 spec=SpecConfig(k=3) if spec else None, controls=ControlsConfig(grammar_states=512)))
+    engine = Engine(EngineConfig(MODEL, max_reqs=8, max_batch=4, device="cuda", use_graphs=use_graphs, max_tokens=32,
+                                 buckets=(32,), spec=SpecConfig(k=3) if spec else None,
+                                 controls=ControlsConfig(grammar_states=512)))
     engine.controls.set_compiler(GrammarCompiler(vocabulary(STRINGS, EOS), MODEL.vocab_size))
     engine.capture()
     return ServingLoop(engine, "overlap" if use_graphs else "eager").run(requests(spec))

@@ -28,7 +28,7 @@ from graphrelay.capture.iteration.controls.params import ControlParams
 from graphrelay.capture.iteration.controls.state import ControlsConfig
 from graphrelay.capture.iteration.engine import Engine, EngineConfig
 from graphrelay.capture.iteration.sampling import SamplingParams
-from graphrelay.capture.iteration.surface import HostBatch, PrefillChunk
+from graphrelay.capture.iteration.spans import decode_span, prefill_span
 from graphrelay.capture.model.model import ModelConfig
 from graphrelay.tools.bench import options, results
 from graphrelay.tools.bench.timing import Clock, time_eager
@@ -99,7 +99,7 @@ def time_variant(model: ModelConfig, device: torch.device, args, controls: Contr
                  params: ControlParams | None) -> dict:
     batch = args.batch
     engine = Engine(EngineConfig(model, max_reqs=batch, max_batch=batch, device=str(device),
-                                 use_graphs=device.type == "cuda", buckets=(batch,), controls=controls))
+                                 use_graphs=device.type == "cuda", controls=controls))
     if engine.controls is not None:
         engine.controls.set_compiler(GrammarCompiler(vocabulary(made_up_token_strings(model.vocab_size), 0),
                                                      model.vocab_size))
@@ -111,8 +111,9 @@ def time_variant(model: ModelConfig, device: torch.device, args, controls: Contr
         if engine.controls is not None:
             for slot in slots:
                 engine.admit_controls(slot, params, (0,), prompt)
-        engine.prefill([PrefillChunk(slot, prompt, 0, True, sampling) for slot in slots])
-        engine.inputs.load(HostBatch(slots=slots, params=[sampling] * batch), batch, engine.torch_stream)
+        engine.launch([prefill_span(slot, sampling, prompt, 0, True) for slot in slots])
+        # The decode iteration of the whole batch, replayed in place (its bucket is the batch).
+        engine.inputs.load([decode_span(slot, sampling) for slot in slots], batch, 1, engine.torch_stream)
         sample = time_eager(Clock(device), lambda _k: engine.runner.run(batch), args.iters, args.repeats)
     return {"step_us": sample.median_us, "min_us": sample.min_us, "max_us": sample.max_us,
             "controls_bytes": engine.controls.nbytes if engine.controls is not None else 0}
