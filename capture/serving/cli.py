@@ -22,7 +22,7 @@ from graphrelay.capture.iteration.graph_runner import CaptureReport
 from graphrelay.capture.serving.detokenize import TextSink
 from graphrelay.capture.serving.inbox import Inbox
 from graphrelay.capture.serving.loop import MODES, LoopResult, ServingLoop
-from graphrelay.capture.model.model import MODEL_DTYPES, MODEL_PRESETS
+from graphrelay.capture.model.model import MODEL_DTYPES, MODEL_PRESETS, ModelConfig
 from graphrelay.capture.model.model_source import WEIGHT_SOURCES, LoadedModel, default_dtype, load_model
 from graphrelay.capture.model.text import TextCodec
 from graphrelay.capture.iteration.sampling import SamplingParams
@@ -75,6 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks: spawns one process per GPU (NCCL; gloo on --device cpu); default 1")
     p.add_argument("--json", type=Path, help="also write the summary (and outputs) as JSON to this path")
+    http = p.add_argument_group("HTTP server (OpenAI-compatible API; --port turns it on instead of a workload run)")
+    http.add_argument("--port", type=int, default=None, help="serve /v1/completions, /v1/chat/completions, /v1/models, /health")
+    http.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    http.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    http.add_argument("--max-waiting", type=int, default=1024,
+                      help="requests queued beyond the busy slots before answering 429 (default 1024)")
+    http.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
+    http.add_argument("--shutdown-grace", type=float, default=30.0,
+                      help="seconds running requests get to finish on SIGINT/SIGTERM before they are aborted")
     p.add_argument("--show", type=int, default=3, help="completions to print (default 3)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
@@ -169,9 +178,13 @@ def _serve(args) -> int:
     device = _device(args)
     if args.json is not None:
         check_output_path(args.json)
+    if args.port is not None:
+        _check_http_args(args)
     say = (lambda *_: None) if args.quiet else (lambda text: print(text, file=sys.stderr, flush=True))
     loaded = _load(args, device)
     model = loaded.config
+    if args.port is not None:
+        return _serve_http(args, loaded, device, say)
     if args.requests is not None:
         requests = load_jsonl(args.requests, loaded.codec, chat=args.chat)
     elif loaded.codec is not None and not args.synthetic:
@@ -182,14 +195,9 @@ def _serve(args) -> int:
             vocab_size=model.vocab_size, stop_tokens=tuple(args.stop_token), rate=args.rate,
             temperature=args.temperature, top_k=args.top_k, seed=args.seed,
         ).requests()
-    use_graphs = device.type == "cuda" and args.mode != "eager"
+    config = _engine_config(args, model, device)
     say(f"graphrelay serve: {len(requests)} requests, model {loaded.source} ({model.dtype}), mode {args.mode}, "
-        f"device {device}{'' if use_graphs else ' (no CUDA graphs)'}")
-    config = EngineConfig(
-        model, max_reqs=args.max_reqs, max_batch=args.max_batch, device=str(device), use_graphs=use_graphs,
-        buckets=tuple(args.buckets) if args.buckets else None, max_top_k=args.max_top_k,
-        prefill_tokens=args.prefill_tokens, spec=_spec(args),
-    )
+        f"device {device}{'' if config.use_graphs else ' (no CUDA graphs)'}")
     if args.tp < 1:
         raise ValueError(f"--tp must be at least 1, got {args.tp}")
     if args.tp > 1:
@@ -222,6 +230,45 @@ def _serve(args) -> int:
         payload = {"model": loaded.source, "stats": result.stats, "capture": capture, "outputs": list(result.outputs.values())}
         write_atomically(args.json, msgspec.json.format(msgspec.json.encode(payload)))
     return 0
+
+
+def _engine_config(args, model: ModelConfig, device: torch.device) -> EngineConfig:
+    return EngineConfig(
+        model, max_reqs=args.max_reqs, max_batch=args.max_batch, device=str(device),
+        use_graphs=device.type == "cuda" and args.mode != "eager",
+        buckets=tuple(args.buckets) if args.buckets else None, max_top_k=args.max_top_k,
+        prefill_tokens=args.prefill_tokens, spec=_spec(args),
+    )
+
+
+def _check_http_args(args) -> None:
+    """Before the model loads: flags that belong to a workload run do not mix with --port."""
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be 0..65535, got {args.port}")
+    for flag, value in (("--requests", args.requests), ("--synthetic", args.synthetic), ("--json", args.json)):
+        if value:
+            raise ValueError(f"{flag} runs a workload and exits; it does not go with --port (the HTTP server)")
+    if args.tp != 1:
+        raise ValueError("the HTTP server runs one process (--tp 1); tensor-parallel serving over HTTP is not built yet")
+    if args.max_waiting < 0 or args.max_body_bytes < 1 or args.shutdown_grace < 0:
+        raise ValueError("--max-waiting and --shutdown-grace must be >= 0 and --max-body-bytes >= 1")
+
+
+def _serve_http(args, loaded: LoadedModel, device: torch.device, say) -> int:
+    from graphrelay.capture.serving.http_server import ServerOptions, run_server  # needs the `serve` extra
+
+    if loaded.codec is None:
+        raise ValueError(f"the HTTP API serves text, and model {args.model} with random weights has no tokenizer; "
+                         f"use the GGUF model, or add --tokenizer for random weights with the real tokenizer")
+    config = _engine_config(args, loaded.config, device)
+    engine = Engine(config, weights=loaded.weights, progress=not args.quiet)
+    say(f"graphrelay serve: model {loaded.source} ({loaded.config.dtype}), mode {args.mode}, device {device}"
+        f"{'' if config.use_graphs else ' (no CUDA graphs)'}; capturing")
+    engine.capture()
+    options = ServerOptions(host=args.host, port=args.port, model_name=args.served_model_name or args.model,
+                            max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
+                            shutdown_grace_s=args.shutdown_grace)
+    return run_server(ServingLoop(engine, args.mode), loaded.codec, options, say)
 
 
 def _run_single(loop: ServingLoop, requests: list[Request], codec: Optional[TextCodec], progress) -> LoopResult:
