@@ -11,15 +11,12 @@ and 2 waiting places (so overload is easy to reach), run on the CPU.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
+
+from http_cases import health, start_server, stop_server, wait_until_idle
 
 openai = pytest.importorskip("openai", reason="the server tests drive it with the openai client (the test extra)")
 
@@ -29,59 +26,18 @@ START_TIMEOUT_S = 300  # tokenizer and model load on a busy CPU
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    port = _free_port()
-    cmd = [sys.executable, "-m", "graphrelay.tools.cli", "serve", "--model", MODEL, "--weights", "random", "--tokenizer",
-           "--device", "cpu", "--port", str(port), "--max-reqs", str(SLOTS), "--max-batch", str(SLOTS),
-           "--max-waiting", str(WAITING), "--max-seq-len", str(CONTEXT), "--max-body-bytes", str(BODY_LIMIT), "--quiet"]
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        if process.poll() is not None:
-            pytest.fail(f"the server exited with {process.returncode}:\n{process.stdout.read().decode()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            pytest.fail("the server did not come up")
-        time.sleep(0.5)
-    process.url = url
+    process = start_server(["--model", MODEL, "--weights", "random", "--tokenizer", "--device", "cpu",
+                            "--max-reqs", str(SLOTS), "--max-batch", str(SLOTS), "--max-waiting", str(WAITING),
+                            "--max-seq-len", str(CONTEXT), "--max-body-bytes", str(BODY_LIMIT)], START_TIMEOUT_S)
     yield process
-    if process.poll() is None:
-        process.kill()
-        process.wait()
+    stop_server(process)
 
 
 @pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def health(server) -> dict:
-    return httpx.get(f"{server.url}/health", timeout=30).json()
-
-
-def wait_until_idle(server, timeout_s: float = 120) -> dict:
-    """Every request finished and every slot back on the free list."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        state = health(server)
-        if state["outstanding"] == 0 and state["free_slots"] == state["slots"] and state["running"] == 0 \
-                and state["retiring"] == 0 and state["waiting"] == 0:
-            return state
-        assert time.monotonic() < deadline, f"slots or requests leaked: {state}"
-        time.sleep(0.1)
 
 
 def test_models_and_health(server):
