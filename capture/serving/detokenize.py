@@ -38,6 +38,7 @@ class TextStream:
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
         self._codec = codec
+        self._tokenizer = codec.tokenizer.backend_tokenizer  # the Rust tokenizer the decoder steps with
         self._decoder = DecodeStream(skip_special_tokens=True)
         self._stop = tuple(stop)
         self.tokens: list[int] = []
@@ -52,7 +53,7 @@ class TextStream:
             if self.stopped:
                 break
             self.tokens.append(token)
-            piece = self._decoder.step(self._codec.tokenizer.backend_tokenizer, token)
+            piece = self._decoder.step(self._tokenizer, token)
             if piece:
                 self._held += piece
                 if self._cut_at_stop():

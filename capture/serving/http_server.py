@@ -140,7 +140,7 @@ class OpenAIServer:
         except EngineStopped as exc:
             return _error(ApiError(str(exc), status=503, kind="server_error"))
         finally:
-            await pieces.aclose()  # a handler cancelled mid-way still aborts its request
+            self._abandon(completion)  # a handler cancelled mid-way (shutdown) aborts its request
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                    "finish_reason": completion.finish_reason} if chat else
                   {"index": 0, "text": text, "logprobs": None, "finish_reason": completion.finish_reason})
@@ -171,33 +171,32 @@ class OpenAIServer:
 
     async def _generate(self, prepared: Prepared, queue, completion: Completion) -> AsyncIterator[str]:
         """The completion's text pieces; sets `completion`'s finish reason and token count
-        before the last piece. Leaving early (disconnect, cancellation) aborts the request."""
-        rid = prepared.request.id
+        before the last piece."""
         text = TextStream(self.codec, prepared.request.stop)
-        finished = False
-        try:
-            while True:
-                event = await queue.get()
-                if isinstance(event, BaseException):
-                    raise EngineStopped(f"the engine failed: {event!r}")
-                if isinstance(event, RequestOutput):
-                    last = text.finish()
-                    reason = "stop" if text.stopped else event.finish_reason
-                else:
-                    last = text.push(event)
-                    if not text.stopped:
-                        if last:
-                            yield last
-                        continue
-                    self.worker.abort(rid)  # the tokens still in flight are not wanted
-                    reason = "stop"
-                finished = True
-                completion.finish_reason, completion.completion_tokens = reason, len(text.tokens)
-                yield last
-                return
-        finally:
-            if not finished:
-                self.worker.abort(rid)
+        while True:
+            event = await queue.get()
+            if isinstance(event, BaseException):
+                raise EngineStopped(f"the engine failed: {event!r}")
+            if isinstance(event, RequestOutput):
+                last = text.finish()
+                reason = "stop" if text.stopped else event.finish_reason
+            else:
+                last = text.push(event)
+                if not text.stopped:
+                    if last:
+                        yield last
+                    continue
+                self.worker.abort(prepared.request.id)  # the tokens still in flight are not wanted
+                reason = "stop"
+            completion.finish_reason, completion.completion_tokens = reason, len(text.tokens)
+            yield last
+            return
+
+    def _abandon(self, completion: Completion) -> None:
+        """The answer ends here: a request that has not finished (the client left, or the
+        handler was cancelled) is aborted."""
+        if completion.finish_reason is None:
+            self.worker.abort(completion.prepared.request.id)
 
     async def _events(self, pieces: AsyncIterator[str], completion: Completion, chat: bool) -> AsyncIterator[bytes]:
         """Server-sent events: a chunk per text piece, exactly one chunk with the finish reason,
@@ -214,7 +213,7 @@ class OpenAIServer:
                 choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish}
             return b"data: " + _encode({**head, "choices": [choice], **extra}) + b"\n\n"
 
-        async with contextlib.aclosing(pieces):
+        try:
             if chat:
                 yield b"data: " + _encode({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                                  "logprobs": None, "finish_reason": None}], **extra}) + b"\n\n"
@@ -225,6 +224,8 @@ class OpenAIServer:
                 yield b"data: " + _encode(ApiError(str(exc), status=503, kind="server_error").body()) + b"\n\n"
                 yield b"data: [DONE]\n\n"
                 return
+        finally:
+            self._abandon(completion)  # a client that went away mid-stream ends up here
         if prepared.include_usage:
             yield b"data: " + _encode({**head, "choices": [], "usage": completion.usage}) + b"\n\n"
         yield b"data: [DONE]\n\n"

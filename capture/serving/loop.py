@@ -217,7 +217,8 @@ class _Run:
             if rows:
                 live = rows.pop(0)
             elif self.pending and self.free and self.pending[0][0] <= now:
-                live = _Live(self.pending[0][1], self.pending.pop(0)[0], self.free.pop())
+                arrival, request = self.pending.pop(0)
+                live = _Live(request, arrival, self.free.pop())
                 self.live[live.slot] = live
                 self.order.append(live.slot)
             else:
