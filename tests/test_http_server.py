@@ -21,7 +21,7 @@ from http_cases import health, start_server, stop_server, wait_until_idle
 openai = pytest.importorskip("openai", reason="the server tests drive it with the openai client (the test extra)")
 
 MODEL = "tiny"
-SLOTS, WAITING, CONTEXT, BODY_LIMIT = 2, 2, 256, 65536
+SLOTS, WAITING, CONTEXT, BODY_LIMIT = 2, 2, 1024, 65536
 START_TIMEOUT_S = 300  # tokenizer and model load on a busy CPU
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
@@ -196,6 +196,15 @@ def test_disconnect_mid_stream_aborts_and_frees_the_slot(server):
         got = [line for line, _ in zip(lines, range(8)) if line]
         assert len(got) >= 3, "the stream delivered tokens before the disconnect"
         response.close()
+    state = wait_until_idle(server)
+    assert state["finished"].get("abort", 0) == aborted + 1
+
+
+def test_disconnect_before_a_non_streamed_answer_aborts(server):
+    aborted = health(server)["finished"].get("abort", 0)
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up long before 900 tokens
+        httpx.post(f"{server.url}/v1/completions", json={"prompt": "tell me everything", "max_tokens": CONTEXT - 100,
+                                                          "temperature": 0}, timeout=httpx.Timeout(60, read=0.5))
     state = wait_until_idle(server)
     assert state["finished"].get("abort", 0) == aborted + 1
 

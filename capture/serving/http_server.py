@@ -14,6 +14,7 @@ cancels (aborts) the rest; the engine thread drains and the process exits 0.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import time
@@ -135,12 +136,19 @@ class OpenAIServer:
         if prepared.stream:
             return StreamingResponse(self._events(pieces, completion, chat), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
+        collect = asyncio.ensure_future(_join(pieces))
+        gone = asyncio.ensure_future(_disconnected(http))
         try:
-            text = "".join([piece async for piece in pieces])
+            await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
+            if not collect.done():  # the client left before its answer: nobody to send it to
+                collect.cancel()
+                return Response(status_code=499)
+            text = collect.result()
         except EngineStopped as exc:
             return _error(ApiError(str(exc), status=503, kind="server_error"))
         finally:
-            self._abandon(completion)  # a handler cancelled mid-way (shutdown) aborts its request
+            gone.cancel()
+            self._abandon(completion)  # the client left, or the handler was cancelled (shutdown)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                    "finish_reason": completion.finish_reason} if chat else
                   {"index": 0, "text": text, "logprobs": None, "finish_reason": completion.finish_reason})
@@ -234,6 +242,17 @@ class OpenAIServer:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
         return {"id": ("chatcmpl-" if chat else "cmpl-") + prepared.request.id, "object": kind,
                 "created": prepared.created, "model": self.options.model_name}
+
+
+async def _join(pieces: AsyncIterator[str]) -> str:
+    return "".join([piece async for piece in pieces])
+
+
+async def _disconnected(http: HttpRequest) -> None:
+    """Returns when the client closes the connection (the body has been read, so the server
+    hears nothing else from it before that)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
 
 
 def run_server(loop: ServingLoop, codec: TextCodec, options: ServerOptions, say: Callable[[str], None]) -> int:
