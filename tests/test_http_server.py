@@ -14,11 +14,10 @@ import json
 import signal
 
 import httpx
+import openai
 import pytest
 
 from http_cases import health, start_server, stop_server, wait_until_idle
-
-openai = pytest.importorskip("openai", reason="the server tests drive it with the openai client (the test extra)")
 
 MODEL = "tiny"
 SLOTS, WAITING, CONTEXT, BODY_LIMIT = 2, 2, 1024, 65536

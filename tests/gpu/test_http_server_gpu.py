@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 
+import openai
 import pytest
 
 from http_cases import start_server, stop_server, wait_until_idle
 
 pytestmark = pytest.mark.gpu
-openai = pytest.importorskip("openai")
 
 QUESTIONS = ("What is the capital of France?", "Write a haiku about the sea.", "Name three primary colors.")
 NEW_TOKENS = 24
