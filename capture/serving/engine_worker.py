@@ -23,6 +23,7 @@ import torch
 
 from graphrelay.capture.serving.inbox import Inbox
 from graphrelay.capture.serving.loop import RequestOutput, ServingLoop
+from graphrelay.capture.serving.loop_stats import LoopStats
 from graphrelay.capture.serving.workloads import Request
 
 # What a request's queue receives: new tokens, its end, or the engine's failure.
@@ -45,6 +46,7 @@ class EngineWorker:
         self.capacity = loop.engine.max_reqs + max_waiting
         self.inbox = Inbox()
         self.failure: Optional[BaseException] = None
+        self.stats: Optional[LoopStats] = None  # the loop's measurements, once it has returned
         self._outstanding = 0  # asyncio thread only
         self._finished: dict[str, int] = {}  # finish reason -> requests (asyncio thread only)
         self._queues: dict[str, asyncio.Queue] = {}  # asyncio thread only
@@ -108,7 +110,7 @@ class EngineWorker:
         try:
             if self.serving.engine.on_gpu:
                 torch.cuda.set_device(self.serving.engine.device)
-            self.serving.serve(self.inbox, self)
+            self.stats = self.serving.serve(self.inbox, self)
         except BaseException as exc:  # noqa: BLE001 - reported to every waiting request and /health
             self.failure = exc
             self._post("", exc)

@@ -274,5 +274,11 @@ def run_server(loop: ServingLoop, codec: TextCodec, options: ServerOptions, say:
         return 1
     if not uvicorn_server.started:
         return 1  # uvicorn said why (the port is taken, say)
-    say("graphrelay serve: shut down")
+    stats = server.worker.stats
+    # The engine thread's own view, to set beside the in-process loop's on the same load: a
+    # CPU scheduling time per iteration that grows under HTTP load is the interpreter lock.
+    say(f"graphrelay serve: shut down after {stats.requests} requests, {stats.tokens} tokens, {stats.iterations} "
+        f"iterations; CPU scheduling per iteration: median {stats.cpu_sched_us_median:.1f} us, mean "
+        f"{stats.cpu_sched_us_per_iter:.1f} us" + ("" if stats.gpu_idle_fraction is None else
+                                                   f"; GPU idle {100 * stats.gpu_idle_fraction:.1f}%"))
     return 0
