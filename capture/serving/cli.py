@@ -3,7 +3,8 @@ completion for one prompt.
 
 With no arguments `serve` runs the real model (SmolLM2-135M-Instruct from its GGUF) on a small
 built-in set of chat prompts, with CUDA graphs on a GPU and eagerly on a CPU, and prints a
-few completions beside what it measured.
+few completions beside what it measured. With `--port` it serves the same engine and loop over
+an OpenAI-compatible HTTP API instead (`capture.serving.http_server`) until SIGINT / SIGTERM.
 """
 
 from __future__ import annotations
