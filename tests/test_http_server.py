@@ -126,6 +126,7 @@ BAD_REQUESTS = {
     "negative temperature": ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature"),
     "top_p zero": ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
     "top_k below -1": ("/v1/completions", {"prompt": "hi", "top_k": -5}, "top_k"),
+    "top_k above the engine's width": ("/v1/completions", {"prompt": "hi", "top_k": 100000}, "top_k"),
     "empty stop string": ("/v1/completions", {"prompt": "hi", "stop": [""]}, "stop"),
     "unsupported parameter": ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs"),
     "no messages": ("/v1/chat/completions", {"messages": []}, "messages"),

@@ -77,7 +77,7 @@ class OpenAIServer:
         config = loop.engine.model.config
         self.codec = codec
         self.options = options
-        self.limits = Limits(options.model_name, config.max_seq_len, config.vocab_size)
+        self.limits = Limits(options.model_name, config.max_seq_len, config.vocab_size, loop.engine.config.max_top_k)
         self.worker = EngineWorker(loop, options.max_waiting)
         self.started = int(time.time())
         self.app = Starlette(

@@ -134,6 +134,7 @@ class Limits(msgspec.Struct, frozen=True):
     model_name: str
     max_seq_len: int
     vocab_size: int
+    max_top_k: Optional[int] = None  # the engine's static top-k width (None: any)
 
 
 def prepare_completion(body: CompletionRequest, codec: TextCodec, limits: Limits) -> Prepared:
@@ -198,6 +199,8 @@ def _prepare(body: _Sampling, prompt: list[int], max_tokens: Optional[int], defa
     top_k = body.top_k if body.top_k is not None else 0
     if top_k < -1:
         raise ApiError(f"top_k must be -1 or 0 (no cut) or a positive int, got {top_k}", param="top_k")
+    if limits.max_top_k is not None and top_k > limits.max_top_k:
+        raise ApiError(f"top_k {top_k} is above this server's limit of {limits.max_top_k} (its --max-top-k)", param="top_k")
     try:
         sampling = SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature, top_k=max(top_k, 0),
