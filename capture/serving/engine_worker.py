@@ -16,7 +16,9 @@ server answers 429, so a burst never grows memory without bound.
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
+import traceback
 from typing import Optional, Union
 
 import torch
@@ -114,7 +116,8 @@ class EngineWorker:
         except BaseException as exc:  # noqa: BLE001 - reported to every waiting request and /health
             self.failure = exc
             self._post("", exc)
-            raise
+            print("graphrelay serve: the engine thread failed:", file=sys.stderr)
+            traceback.print_exc()
 
     def on_tokens(self, request_id: str, tokens: list[int]) -> None:
         self._post(request_id, tokens)

@@ -141,12 +141,12 @@ class OpenAIServer:
         try:
             await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
             if not collect.done():  # the client left before its answer: nobody to send it to
-                collect.cancel()
                 return Response(status_code=499)
             text = collect.result()
         except EngineStopped as exc:
             return _error(ApiError(str(exc), status=503, kind="server_error"))
         finally:
+            collect.cancel()
             gone.cancel()
             self._abandon(completion)  # the client left, or the handler was cancelled (shutdown)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
