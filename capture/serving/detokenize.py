@@ -43,7 +43,7 @@ class TextStream:
         self._stop = tuple(stop)
         self.tokens: list[int] = []
         self.stopped = False  # a stop string was found: the text and tokens are final
-        self._shown = 0  # characters returned so far
+        self._shown: list[str] = []  # the pieces returned so far
         self._held = ""  # decoded text not returned yet: it may begin a stop string
 
     def push(self, tokens: Sequence[int]) -> str:
@@ -65,9 +65,11 @@ class TextStream:
         decoder may still hold the bytes of the last tokens; the whole decode has them."""
         if self.stopped:
             return ""
-        whole = self._codec.decode(self.tokens)
-        # `whole` starts with the text already returned; what follows is what was held.
-        self._held = whole[self._shown :]
+        whole, shown = self._codec.decode(self.tokens), "".join(self._shown)
+        # `whole` starts with the text already returned (else the streamed view stands, and
+        # what the streaming decoder still holds is lost: no tokenizer tested here does that).
+        if whole.startswith(shown):
+            self._held = whole[len(shown) :]
         self._cut_at_stop()
         return self._release(self._held)
 
@@ -92,7 +94,7 @@ class TextStream:
 
     def _release(self, text: str) -> str:
         self._held = "" if self.stopped else self._held[len(text) :]
-        self._shown += len(text)
+        self._shown.append(text)
         return text
 
 
