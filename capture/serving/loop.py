@@ -12,6 +12,11 @@ A long prompt is cut into chunks over several iterations, so it never stalls the
 decodes, and an arrival never waits for a separate prefill turn. Every sampled token, a
 prompt's first one included, reaches the host through the mirror.
 
+Requests come in through an `Inbox` (drained each turn, never blocking a turn that has work)
+and results leave through a `Sink` (tokens as they are appended, then the finished output):
+`serve` runs until the inbox is closed and everything it admitted has finished; `run` is a
+batch of requests through the same path.
+
 `no-overlap` reads iteration N right after launching it (the GPU idles while the CPU
 schedules); `eager` is `overlap` without CUDA graphs (the engine decides that). A request
 that finished while an iteration was in flight gets that iteration's extra token discarded,
@@ -21,7 +26,7 @@ slot has been read back (reusing it earlier is the index race SGLang hit).
 
 from __future__ import annotations
 
-import time
+import bisect
 from collections import deque
 from typing import Callable, Optional
 
@@ -29,12 +34,14 @@ import msgspec
 
 from graphrelay.capture.iteration.controls.logprobs import TokenLogprobs
 from graphrelay.capture.iteration.engine import Engine
-from graphrelay.capture.serving.loop_stats import IterationClock, LoopStats
 from graphrelay.capture.iteration.spans import Span, decode_span, prefill_span
+from graphrelay.capture.serving.inbox import CollectingSink, Inbox, Sink
+from graphrelay.capture.serving.loop_stats import IterationClock, LoopStats
 from graphrelay.capture.serving.sync_count import HostSyncCounter
 from graphrelay.capture.serving.workloads import Request
 
 MODES = ("overlap", "no-overlap", "eager")
+_IDLE_WAIT_S = 0.05  # longest idle wait for the inbox: bounds how late a future arrival starts
 
 
 class RequestOutput(msgspec.Struct):
@@ -55,18 +62,21 @@ class LoopResult(msgspec.Struct):
 class _Live:
     """A request holding a slot."""
 
-    __slots__ = ("request", "slot", "tokens", "logprobs", "prefilled", "scheduled", "last_launch", "first_token_s", "token_times_ms", "done")
+    __slots__ = ("request", "arrival", "slot", "tokens", "logprobs", "token_times_ms", "sent", "prefilled",
+                 "scheduled", "last_launch", "first_token_s", "done")
 
-    def __init__(self, request: Request, slot: int):
+    def __init__(self, request: Request, arrival: float, slot: int):
         self.request = request
+        self.arrival = arrival  # run time when it became admissible
         self.slot = slot
         self.tokens: list[int] = []
         self.logprobs: list[TokenLogprobs] = []
+        self.token_times_ms: list[float] = []
+        self.sent = 0  # tokens handed to the sink so far
         self.prefilled = 0  # prompt tokens launched in chunks so far
         self.scheduled = 0  # tokens that will exist once launched work lands
         self.last_launch = -1  # last iteration (prefill or decode) that touches this slot
         self.first_token_s: Optional[float] = None  # run time when the first token was read
-        self.token_times_ms: list[float] = []
         self.done: Optional[str] = None
 
     def prompt_left(self) -> int:
@@ -86,6 +96,7 @@ class ServingLoop:
             raise ValueError(f"mode {mode!r} is not one of {MODES}")
         self.engine = engine
         self.mode = mode
+        self._run: Optional[_Run] = None  # the current (or last) `serve`, for `occupancy`
 
     def check_requests(self, requests: list[Request]) -> None:
         """Reject requests the engine cannot hold, naming the request and the limit."""
@@ -116,25 +127,51 @@ class ServingLoop:
         aborts: Optional[dict[str, int]] = None,
         progress: Optional[Callable[[dict], None]] = None,
     ) -> LoopResult:
-        """Serve `requests`; `aborts` maps a request id to the number of iterations (prefill and
-        decode) launched when it is aborted (for tests and demos); `progress` gets a status
+        """Serve `requests`; `aborts` maps a request id to the number of iterations launched
+        when it is aborted (for tests and demos); `progress` gets a status
         dict about twice a second."""
         self.check_requests(requests)
-        run = _Run(self.engine, self.mode, requests, aborts or {}, progress)
+        sink = CollectingSink()
+        stats = self.serve(Inbox.of(requests), sink, aborts=aborts, progress=progress)
+        return LoopResult(outputs=sink.outputs, stats=stats)
+
+    def serve(
+        self,
+        inbox: Inbox,
+        sink: Sink,
+        *,
+        aborts: Optional[dict[str, int]] = None,
+        progress: Optional[Callable[[dict], None]] = None,
+    ) -> LoopStats:
+        """Serve what `inbox` brings until it is closed and all of it has finished, reporting
+        to `sink` from this thread. Requests must pass `check_requests` before they are
+        submitted (the loop does not check them again) and carry unique ids."""
+        run = _Run(self.engine, self.mode, inbox, sink, aborts or {}, progress)
+        self._run = run
         with self.engine.activate(), HostSyncCounter(self.engine.on_gpu) as syncs:
             run.serve()
-        tokens = sum(len(o.tokens) for o in run.outputs.values())
         accepted = run.decode_tokens / run.request_steps if run.request_steps else 0.0
-        return LoopResult(outputs=run.outputs, stats=run.clock.stats(self.mode, self.engine.uses_graphs, len(requests), tokens, syncs.count, accepted))
+        return run.clock.stats(self.mode, self.engine.uses_graphs, run.admitted, run.tokens, syncs.count, accepted)
+
+    def occupancy(self) -> dict[str, int]:
+        """Slots and queues of the running (or last) `serve`, for health checks from any
+        thread: counts only, read without locking, so exact only while the loop idles."""
+        run = self._run
+        if run is None:
+            return {"slots": self.engine.max_reqs, "free_slots": self.engine.max_reqs, "running": 0, "retiring": 0, "waiting": 0}
+        return {"slots": self.engine.max_reqs, "free_slots": len(run.free), "running": len(run.live),
+                "retiring": len(run.retiring), "waiting": len(run.pending)}
 
 
 class _Run:
     """The state of one `ServingLoop.run`."""
 
-    def __init__(self, engine: Engine, mode: str, requests: list[Request], aborts: dict[str, int], progress):
+    def __init__(self, engine: Engine, mode: str, inbox: Inbox, sink: Sink, aborts: dict[str, int], progress):
         self.engine = engine
         self.overlap = mode != "no-overlap"
-        self.pending = deque(sorted(requests, key=lambda r: r.arrival))
+        self.inbox, self.sink = inbox, sink
+        self.closed = False
+        self.pending: list[tuple[float, Request]] = []  # (arrival, request), by arrival then submission
         self.aborts = dict(aborts)
         self.progress = progress
         self.free = list(range(engine.max_reqs, 0, -1))  # pop() hands out slot 1 first
@@ -143,7 +180,9 @@ class _Run:
         self.order: list[int] = []  # live slots in admission order (FIFO batching)
         self.inflight: deque[int] = deque()
         self.completed = -1  # every iteration <= this has been read back
-        self.outputs: dict[str, RequestOutput] = {}
+        self.admitted = 0  # requests taken from the inbox
+        self.finished = 0
+        self.tokens = 0  # tokens appended over the run
         self.clock = IterationClock(engine.stream)
         self.decode_slots: dict[int, set[int]] = {}  # iteration in flight -> slots it decodes
         self.request_steps = 0  # (request, decode iteration) pairs read back
@@ -151,9 +190,10 @@ class _Run:
 
     def serve(self) -> None:
         self.clock.begin()
-        while self.pending or self.live or self.inflight:
+        self._take_inbox()
+        while not self.closed or self.pending or self.live or self.inflight:
             self.clock.turn_start()
-            self._apply_aborts()
+            self._apply_aborts(self._take_inbox())
             launched = self._launch()
             keep = 1 if (self.overlap and launched) else 0
             while len(self.inflight) > keep:
@@ -163,8 +203,20 @@ class _Run:
             self._release_slots()
             self.clock.turn_end(launched)
             if self.progress is not None:
-                self.clock.report(self.progress, len(self.live), len(self.outputs), len(self.pending))
+                self.clock.report(self.progress, len(self.live), self.finished, len(self.pending))
         self.clock.finish()
+
+    def _take_inbox(self) -> list[str]:
+        """Queue what was submitted (a request arriving now is admissible now; a batch run's
+        `arrival` is kept) and return the ids to abort."""
+        drained = self.inbox.drain()
+        now = self.clock.elapsed()
+        for request in drained.requests:
+            arrival = max(request.arrival, now)
+            bisect.insort(self.pending, (arrival, request), key=lambda item: item[0])
+        self.admitted += len(drained.requests)
+        self.closed = drained.closed
+        return drained.aborts
 
     # ---- scheduling -----------------------------------------------------------------------
 
@@ -186,11 +238,11 @@ class _Run:
         while budget > 0 and len(spans) < engine.max_batch:
             if prompts:
                 live = prompts.pop(0)
-            elif self.pending and self.free and self.pending[0].arrival <= now and self._controls_fit(self.pending[0]):
-                live = _Live(self.pending.popleft(), self.free.pop())
-                if self.engine.controls is not None:
-                    r = live.request
-                    self.engine.admit_controls(live.slot, r.controls, r.stop_tokens, r.prompt)
+            elif self.pending and self.free and self.pending[0][0] <= now and self._controls_fit(self.pending[0][1]):
+                arrival, request = self.pending.pop(0)
+                live = _Live(request, arrival, self.free.pop())
+                if engine.controls is not None:
+                    engine.admit_controls(live.slot, request.controls, request.stop_tokens, request.prompt)
                 self.live[live.slot] = live
                 self.order.append(live.slot)
             else:
@@ -239,38 +291,52 @@ class _Run:
         self.decode_tokens += sum(slot in decoded for slot in slots)
         logprobs = self.engine.read_logprobs(read)
         logprobs = [None] * len(fresh) if logprobs is None else [lp for lp, s in zip(logprobs, read.stale.tolist()) if not s]
+        touched: dict[int, _Live] = {}
+        finished: list[RequestOutput] = []
         for slot, token, lp in zip(slots, tokens, logprobs):
             live = self.live.get(slot)
             if live is None or live.done is not None:
                 continue  # the request finished while this iteration was in flight: discard
-            self._append(live, token, lp)
+            touched[slot] = live
+            output = self._append(live, token, lp)
+            if output is not None:
+                finished.append(output)
+        # Tokens first, then the finishes: a request's last tokens reach the sink before its end.
+        for live in touched.values():
+            self.sink.on_tokens(live.request.id, live.tokens[live.sent:])
+            live.sent = len(live.tokens)
+        for output in finished:
+            self.sink.on_finish(output)
 
-    def _append(self, live: _Live, token: int, logprobs: Optional[TokenLogprobs] = None) -> None:
+    def _append(self, live: _Live, token: int, logprobs: Optional[TokenLogprobs] = None) -> Optional[RequestOutput]:
+        now = self.clock.elapsed()
         if not live.tokens:
-            live.first_token_s = self.clock.elapsed()
+            live.first_token_s = now
         live.tokens.append(token)
-        live.token_times_ms.append(self.clock.elapsed() * 1e3)
+        live.token_times_ms.append(now * 1e3)
+        self.tokens += 1
         wanted = live.request.controls.logprobs if live.request.controls is not None else None
         if wanted is not None:
             live.logprobs.append(TokenLogprobs(logprobs.logprob, logprobs.top[:wanted]))
         request = live.request
         if token in request.stop_tokens:
-            self._finish(live, "stop")
-        elif len(live.tokens) >= request.max_new_tokens:
-            self._finish(live, "length")
+            return self._finish(live, "stop")
+        if len(live.tokens) >= request.max_new_tokens:
+            return self._finish(live, "length")
+        return None
 
-    def _finish(self, live: _Live, reason: str) -> None:
+    def _finish(self, live: _Live, reason: str) -> RequestOutput:
         live.done = reason
-        ttft = None if live.first_token_s is None else (live.first_token_s - live.request.arrival) * 1e3
-        wanted = live.request.controls is not None and live.request.controls.logprobs is not None
-        self.outputs[live.request.id] = RequestOutput(live.request.id, list(live.tokens), reason, ttft_ms=ttft,
-                                                      token_times_ms=live.token_times_ms,
-                                                      logprobs=list(live.logprobs) if wanted else None)
-        if self.engine.controls is not None:
-            self.engine.controls.release(live.slot)
+        ttft = None if live.first_token_s is None else (live.first_token_s - live.arrival) * 1e3
         del self.live[live.slot]
         self.order.remove(live.slot)
         self.retiring.append((live.slot, live.last_launch))
+        self.finished += 1
+        if self.engine.controls is not None:
+            self.engine.controls.release(live.slot)
+        wanted = live.request.controls is not None and live.request.controls.logprobs is not None
+        return RequestOutput(live.request.id, list(live.tokens), reason, ttft_ms=ttft,
+                             token_times_ms=live.token_times_ms, logprobs=list(live.logprobs) if wanted else None)
 
     def _release_slots(self) -> None:
         keep = []
@@ -281,20 +347,27 @@ class _Run:
                 keep.append((slot, last))
         self.retiring = keep
 
-    def _apply_aborts(self) -> None:
+    def _apply_aborts(self, asked: list[str]) -> None:
+        """Abort the inbox's `asked` ids and the scheduled aborts that are due. A running
+        request's slot retires by the usual rule (after every iteration that reads it)."""
         due = [rid for rid, at in self.aborts.items() if at <= self.engine.iterations_launched]
         for rid in due:
             del self.aborts[rid]
+        for rid in asked + due:
             live = next((l for l in self.live.values() if l.request.id == rid), None)
             if live is not None:
-                self._finish(live, "abort")
+                self.sink.on_finish(self._finish(live, "abort"))
                 continue
-            queued = next((r for r in self.pending if r.id == rid), None)
+            queued = next((item for item in self.pending if item[1].id == rid), None)
             if queued is not None:
                 self.pending.remove(queued)
-                self.outputs[rid] = RequestOutput(rid, [], "abort")
+                self.finished += 1
+                self.sink.on_finish(RequestOutput(rid, [], "abort"))
 
     def _idle(self) -> None:
-        """Nothing launched and nothing in flight: wait for the next arrival."""
+        """Nothing launched and nothing in flight: wait for the inbox, or the next arrival."""
+        wait = _IDLE_WAIT_S
         if self.pending:
-            time.sleep(max(0.0, min(0.05, self.pending[0].arrival - self.clock.elapsed())))
+            wait = min(wait, self.pending[0][0] - self.clock.elapsed())
+        if wait > 0:
+            self.inbox.wait(wait)

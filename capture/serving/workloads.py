@@ -24,7 +24,9 @@ if TYPE_CHECKING:
 
 
 class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One request. `arrival` is seconds after the run starts (0 = at once)."""
+    """One request. `arrival` is seconds after the run starts (0 = at once). `stop` strings
+    end the completion's text before the first of them (matched on the host as the text is
+    detokenized: `capture.serving.detokenize`), so they need the model's tokenizer."""
 
     id: str
     prompt: list[int]
@@ -35,6 +37,7 @@ class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Loaded once per request into per-slot device tables (EngineConfig.controls), unlike the
     # sampling params every decode row stages: so they travel beside them.
     controls: Optional[ControlParams] = None
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -45,6 +48,8 @@ class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"request {self.id!r}: max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.arrival < 0:
             raise ValueError(f"request {self.id!r}: arrival must be >= 0 seconds, got {self.arrival}")
+        if any(not s for s in self.stop):
+            raise ValueError(f"request {self.id!r}: stop strings must be non-empty")
 
 
 class SyntheticWorkload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -109,7 +114,8 @@ def load_jsonl(path: str | Path, codec: Optional["TextCodec"] = None, chat: bool
     A request gives its prompt as token ids (`"prompt": [1, 2, 3]`), as text (`"prompt": "..."`,
     through the chat template when `chat`), or as chat messages (`"messages": [{"role": ...,
     "content": ...}]`); text needs the model's `codec`. Text requests stop at the model's
-    end-of-turn tokens unless they give `stop_tokens`. The file is read line by line (a huge or
+    end-of-turn tokens unless they give `stop_tokens`; `"stop": "..."` or `["...", ...]`
+    adds stop strings (text is cut before the first). The file is read line by line (a huge or
     endless file fails at its first bad line, not by filling memory); lines end at "\n" only,
     so U+2028 inside a JSON string is just a character.
     """
@@ -152,6 +158,10 @@ def load_jsonl(path: str | Path, codec: Optional["TextCodec"] = None, chat: bool
 
 def _encode_text(raw: dict, codec: Optional["TextCodec"], chat: bool) -> None:
     """Turn a text prompt or chat messages into token ids, in place."""
+    if isinstance(raw.get("stop"), str):  # OpenAI's form: one string or a list of them
+        raw["stop"] = [raw["stop"]]
+    if raw.get("stop") and codec is None:
+        raise ValueError("stop strings need a model with a tokenizer (the GGUF model); this one takes token ids only")
     messages, prompt = raw.pop("messages", None), raw.get("prompt")
     if messages is None and not isinstance(prompt, str):
         return  # token ids (or a malformed prompt, reported by the conversion)

@@ -1,0 +1,133 @@
+"""The engine thread behind the HTTP server, and the asyncio side's handle on it.
+
+One thread, the only one that touches the GPU, runs `ServingLoop.serve` for the server's
+whole life. The asyncio side talks to it through the loop's `Inbox` (submit, abort, close:
+never blocking the engine) and hears back through this worker, the loop's `Sink`: results
+are batched under a lock and handed to the event loop with one `call_soon_threadsafe` per
+batch, not per token, then fanned out to each request's `asyncio.Queue`. Those three calls
+and one stream of results are the whole interface, so the engine could move into its own
+process behind a pipe without the HTTP layer changing.
+
+Admission is bounded here, on the asyncio side: at most `slots + max_waiting` requests are
+outstanding (submitted and not yet reported finished); past that `submit` refuses, and the
+server answers 429, so a burst never grows memory without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import traceback
+from typing import Optional, Union
+
+import torch
+
+from graphrelay.capture.serving.inbox import Inbox
+from graphrelay.capture.serving.loop import RequestOutput, ServingLoop
+from graphrelay.capture.serving.loop_stats import LoopStats
+from graphrelay.capture.serving.workloads import Request
+
+# What a request's queue receives: new tokens, its end, or the engine's failure.
+Event = Union[list[int], RequestOutput, BaseException]
+
+
+class Overloaded(Exception):
+    """Every slot is busy and the waiting queue is full."""
+
+
+class EngineStopped(Exception):
+    """The engine thread failed or has shut down: nothing can be served."""
+
+
+class EngineWorker:
+    def __init__(self, loop: ServingLoop, max_waiting: int):
+        if max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+        self.serving = loop
+        self.capacity = loop.engine.max_reqs + max_waiting
+        self.inbox = Inbox()
+        self.failure: Optional[BaseException] = None
+        self.stats: Optional[LoopStats] = None  # the loop's measurements, once it has returned
+        self._outstanding = 0  # asyncio thread only
+        self._finished: dict[str, int] = {}  # finish reason -> requests (asyncio thread only)
+        self._queues: dict[str, asyncio.Queue] = {}  # asyncio thread only
+        self._batch: list[tuple[str, Event]] = []  # engine -> asyncio, under _lock
+        self._lock = threading.Lock()
+        self._events: Optional[asyncio.AbstractEventLoop] = None
+        self._thread = threading.Thread(target=self._main, name="graphrelay-engine", daemon=True)
+
+    # ---- asyncio side -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will `submit`."""
+        self._events = asyncio.get_running_loop()
+        self._thread.start()
+
+    def submit(self, request: Request) -> asyncio.Queue:
+        """Queue `request` (already validated); its events arrive on the returned queue."""
+        if self.failure is not None or not self._thread.is_alive():
+            raise EngineStopped("the engine is not running" + (f": {self.failure!r}" if self.failure else ""))
+        if self._outstanding >= self.capacity:
+            raise Overloaded(f"{self._outstanding} requests are running or waiting, the most this server holds")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request.id] = queue
+        self._outstanding += 1
+        self.inbox.submit(request)
+        return queue
+
+    def abort(self, request_id: str) -> None:
+        self.inbox.abort(request_id)
+
+    async def stop(self) -> None:
+        """Admit nothing more, let the engine finish what it holds, wait for its thread."""
+        self.inbox.close()
+        await asyncio.to_thread(self._thread.join)
+
+    def health(self) -> dict:
+        return {"engine": "failed" if self.failure else ("running" if self._thread.is_alive() else "stopped"),
+                "outstanding": self._outstanding, "capacity": self.capacity, "finished": dict(self._finished),
+                **self.serving.occupancy()}
+
+    def _deliver(self) -> None:
+        with self._lock:
+            batch, self._batch = self._batch, []
+        for request_id, event in batch:
+            if isinstance(event, BaseException):
+                for queue in self._queues.values():
+                    queue.put_nowait(event)
+                self._queues.clear()
+                continue
+            queue = self._queues.get(request_id)
+            if isinstance(event, RequestOutput):
+                self._queues.pop(request_id, None)
+                self._outstanding -= 1
+                self._finished[event.finish_reason] = self._finished.get(event.finish_reason, 0) + 1
+            if queue is not None:
+                queue.put_nowait(event)
+
+    # ---- engine thread (the loop's Sink) ------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            if self.serving.engine.on_gpu:
+                torch.cuda.set_device(self.serving.engine.device)
+            self.stats = self.serving.serve(self.inbox, self)
+        except BaseException as exc:  # noqa: BLE001 - reported to every waiting request and /health
+            self.failure = exc
+            self._post("", exc)
+            print("graphrelay serve: the engine thread failed:", file=sys.stderr)
+            traceback.print_exc()
+
+    def on_tokens(self, request_id: str, tokens: list[int]) -> None:
+        self._post(request_id, tokens)
+
+    def on_finish(self, output: RequestOutput) -> None:
+        self._post(output.id, output)
+
+    def _post(self, request_id: str, event: Event) -> None:
+        with self._lock:
+            wake = not self._batch  # a delivery is already scheduled for a non-empty batch
+            self._batch.append((request_id, event))
+        if wake:
+            self._events.call_soon_threadsafe(self._deliver)

@@ -1,0 +1,284 @@
+"""`graphrelay serve --port PORT`: the OpenAI-compatible HTTP API over the serving loop.
+
+Starlette under uvicorn, one event loop. Handlers validate a request (`openai_api`), submit
+it to the engine thread (`engine_worker`) and turn the tokens that come back into text
+(`detokenize.TextStream`, which also applies the stop strings) for a JSON answer or a
+server-sent-event stream. The detokenization stays on this side, so the engine thread only
+schedules and reads tokens.
+
+A client that goes away mid-stream cancels its handler, which aborts the request; the loop
+frees the slot once no in-flight iteration reads it. SIGINT / SIGTERM: uvicorn stops
+accepting connections and lets running requests finish for up to the shutdown grace, then
+cancels (aborts) the rest; the engine thread drains and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from typing import AsyncIterator, Callable, Optional
+
+import msgspec
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HttpRequest
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from graphrelay.capture.model.text import TextCodec
+from graphrelay.capture.serving.detokenize import TextStream
+from graphrelay.capture.serving.engine_worker import EngineStopped, EngineWorker, Overloaded
+from graphrelay.capture.serving.loop import RequestOutput, ServingLoop
+from graphrelay.capture.serving.openai_api import (
+    ApiError, ChatRequest, CompletionRequest, Limits, Prepared, decode, prepare_chat, prepare_completion, usage,
+)
+
+_encode = msgspec.json.Encoder().encode
+RETRY_AFTER_S = 1
+
+
+class ServerOptions(msgspec.Struct, frozen=True):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str = "graphrelay"
+    max_waiting: int = 1024  # requests queued beyond the slots before 429
+    max_body_bytes: int = 1 << 20
+    shutdown_grace_s: float = 30.0
+
+
+def _json(payload, status: int = 200, headers: Optional[dict] = None) -> Response:
+    return Response(_encode(payload), status_code=status, media_type="application/json", headers=headers)
+
+
+def _error(exc: ApiError) -> Response:
+    return _json(exc.body(), exc.status, exc.headers)
+
+
+class Completion:
+    """One request's answer as it is produced: text pieces, then the finish reason."""
+
+    def __init__(self, prepared: Prepared):
+        self.prepared = prepared
+        self.finish_reason: Optional[str] = None
+        self.completion_tokens = 0
+
+    @property
+    def usage(self) -> dict:
+        return usage(len(self.prepared.request.prompt), self.completion_tokens)
+
+
+class OpenAIServer:
+    """The app's handlers; `app` is the ASGI application."""
+
+    def __init__(self, loop: ServingLoop, codec: TextCodec, options: ServerOptions):
+        config = loop.engine.model.config
+        self.codec = codec
+        self.options = options
+        self.limits = Limits(options.model_name, config.max_seq_len, config.vocab_size, loop.engine.config.max_top_k)
+        self.worker = EngineWorker(loop, options.max_waiting)
+        self.started = int(time.time())
+        self.app = Starlette(
+            routes=[
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+            ],
+            exception_handlers={HTTPException: self._http_error, Exception: self._internal_error},
+            lifespan=self._lifespan,
+        )
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app):
+        self.worker.start()
+        yield
+        await self.worker.stop()
+
+    # ---- endpoints ----------------------------------------------------------------------------
+
+    async def completions(self, http: HttpRequest) -> Response:
+        return await self._answer(http, CompletionRequest, prepare_completion, chat=False)
+
+    async def chat(self, http: HttpRequest) -> Response:
+        return await self._answer(http, ChatRequest, prepare_chat, chat=True)
+
+    async def models(self, http: HttpRequest) -> Response:
+        return _json({"object": "list", "data": [{
+            "id": self.options.model_name, "object": "model", "created": self.started, "owned_by": "graphrelay",
+            "max_model_len": self.limits.max_seq_len,
+        }]})
+
+    async def health(self, http: HttpRequest) -> Response:
+        state = self.worker.health()
+        return _json(state, 200 if state["engine"] == "running" else 503)
+
+    async def _http_error(self, http: HttpRequest, exc: HTTPException) -> Response:
+        return _error(ApiError(f"{http.method} {http.url.path}: {exc.detail}", status=exc.status_code,
+                               code="not_found" if exc.status_code == 404 else None))
+
+    async def _internal_error(self, http: HttpRequest, exc: Exception) -> Response:
+        return _error(ApiError(f"internal error: {exc!r}", status=500, kind="server_error"))
+
+    # ---- one request --------------------------------------------------------------------------
+
+    async def _answer(self, http: HttpRequest, kind: type, prepare: Callable, chat: bool) -> Response:
+        try:
+            body = decode(await self._body(http), kind)
+            prepared = prepare(body, self.codec, self.limits)
+            queue = self._submit(prepared)
+        except ApiError as exc:
+            return _error(exc)
+        completion = Completion(prepared)
+        pieces = self._generate(prepared, queue, completion)
+        if prepared.stream:
+            return StreamingResponse(self._events(pieces, completion, chat), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        collect = asyncio.ensure_future(_join(pieces))
+        gone = asyncio.ensure_future(_disconnected(http))
+        try:
+            await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
+            if not collect.done():  # the client left before its answer: nobody to send it to
+                return Response(status_code=499)
+            text = collect.result()
+        except EngineStopped as exc:
+            return _error(ApiError(str(exc), status=503, kind="server_error"))
+        finally:
+            collect.cancel()
+            gone.cancel()
+            self._abandon(completion)  # the client left, or the handler was cancelled (shutdown)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                   "finish_reason": completion.finish_reason} if chat else
+                  {"index": 0, "text": text, "logprobs": None, "finish_reason": completion.finish_reason})
+        return _json({**self._head(prepared, chat, chunk=False), "choices": [choice], "usage": completion.usage})
+
+    async def _body(self, http: HttpRequest) -> bytes:
+        limit = self.options.max_body_bytes
+        declared = http.headers.get("content-length")
+        too_big = ApiError(f"the request body exceeds this server's limit of {limit} bytes", code="body_too_large")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _submit(self, prepared: Prepared):
+        try:
+            return self.worker.submit(prepared.request)
+        except Overloaded as exc:
+            raise ApiError(f"server busy: {exc}; retry later", status=429, kind="rate_limit_error",
+                           code="server_busy", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except EngineStopped as exc:
+            raise ApiError(str(exc), status=503, kind="server_error") from None
+
+    async def _generate(self, prepared: Prepared, queue, completion: Completion) -> AsyncIterator[str]:
+        """The completion's text pieces; sets `completion`'s finish reason and token count
+        before the last piece."""
+        text = TextStream(self.codec, prepared.request.stop)
+        while True:
+            event = await queue.get()
+            if isinstance(event, BaseException):
+                raise EngineStopped(f"the engine failed: {event!r}")
+            if isinstance(event, RequestOutput):
+                last = text.finish()
+                reason = "stop" if text.stopped else event.finish_reason
+            else:
+                last = text.push(event)
+                if not text.stopped:
+                    if last:
+                        yield last
+                    continue
+                self.worker.abort(prepared.request.id)  # the tokens still in flight are not wanted
+                reason = "stop"
+            completion.finish_reason, completion.completion_tokens = reason, len(text.tokens)
+            yield last
+            return
+
+    def _abandon(self, completion: Completion) -> None:
+        """The answer ends here: a request that has not finished (the client left, or the
+        handler was cancelled) is aborted."""
+        if completion.finish_reason is None:
+            self.worker.abort(completion.prepared.request.id)
+
+    async def _events(self, pieces: AsyncIterator[str], completion: Completion, chat: bool) -> AsyncIterator[bytes]:
+        """Server-sent events: a chunk per text piece, exactly one chunk with the finish reason,
+        the usage chunk when asked for, then `[DONE]`."""
+        prepared = completion.prepared
+        head = self._head(prepared, chat, chunk=True)
+        extra = {"usage": None} if prepared.include_usage else {}
+
+        def event(piece: str, finish: Optional[str]) -> bytes:
+            if chat:
+                delta = {"content": piece} if piece else {}
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish}
+            return b"data: " + _encode({**head, "choices": [choice], **extra}) + b"\n\n"
+
+        try:
+            if chat:
+                yield b"data: " + _encode({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                                 "logprobs": None, "finish_reason": None}], **extra}) + b"\n\n"
+            try:
+                async for piece in pieces:
+                    yield event(piece, completion.finish_reason)
+            except EngineStopped as exc:
+                yield b"data: " + _encode(ApiError(str(exc), status=503, kind="server_error").body()) + b"\n\n"
+                yield b"data: [DONE]\n\n"
+                return
+        finally:
+            self._abandon(completion)  # a client that went away mid-stream ends up here
+        if prepared.include_usage:
+            yield b"data: " + _encode({**head, "choices": [], "usage": completion.usage}) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    def _head(self, prepared: Prepared, chat: bool, chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
+        return {"id": ("chatcmpl-" if chat else "cmpl-") + prepared.request.id, "object": kind,
+                "created": prepared.created, "model": self.options.model_name}
+
+
+async def _join(pieces: AsyncIterator[str]) -> str:
+    return "".join([piece async for piece in pieces])
+
+
+async def _disconnected(http: HttpRequest) -> None:
+    """Returns when the client closes the connection (the body has been read, so the server
+    hears nothing else from it before that)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+def run_server(loop: ServingLoop, codec: TextCodec, options: ServerOptions, say: Callable[[str], None]) -> int:
+    """Serve until SIGINT or SIGTERM; returns 0 after a clean shutdown. The engine must be
+    captured already (this thread), and is used from the engine thread only from now on."""
+    server = OpenAIServer(loop, codec, options)
+    config = uvicorn.Config(server.app, host=options.host, port=options.port, log_level="warning", access_log=False,
+                            lifespan="on", timeout_graceful_shutdown=options.shutdown_grace_s)
+    uvicorn_server = uvicorn.Server(config)
+    # uvicorn re-raises the signal that stopped it once it is done; these handlers take it, so a
+    # requested shutdown ends with exit status 0 instead of the signal's default death.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    say(f"graphrelay serve: {options.model_name} on http://{options.host}:{options.port}/v1 "
+        f"({loop.engine.max_reqs} slots, {options.max_waiting} waiting at most)")
+    uvicorn_server.run()
+    if server.worker.failure is not None:
+        say(f"graphrelay serve: the engine failed: {server.worker.failure!r}")
+        return 1
+    if not uvicorn_server.started:
+        return 1  # uvicorn said why (the port is taken, say)
+    stats = server.worker.stats
+    # The engine thread's own view, to set beside the in-process loop's on the same load: a
+    # CPU scheduling time per iteration that grows under HTTP load is the interpreter lock.
+    say(f"graphrelay serve: shut down after {stats.requests} requests, {stats.tokens} tokens, {stats.iterations} "
+        f"iterations; CPU scheduling per iteration: median {stats.cpu_sched_us_median:.1f} us, mean "
+        f"{stats.cpu_sched_us_per_iter:.1f} us" + ("" if stats.gpu_idle_fraction is None else
+                                                   f"; GPU idle {100 * stats.gpu_idle_fraction:.1f}%"))
+    return 0
