@@ -24,26 +24,29 @@ class RecordingStep:
 # ---- buckets ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("max_batch", [1, 5, 32, 100, 256])
-def test_default_buckets_shape(max_batch):
-    """Dense below 32, every 16 above, max_batch always last. If this failed, small batches
+@pytest.mark.parametrize("max_tokens", [1, 5, 32, 100, 256, 2048, 5000])
+def test_default_buckets_shape(max_tokens):
+    """Dense up to 32 tokens, every 16 up to 256, then coarser, max_tokens always last, and
+    padding never more than a quarter of a bucket above 32. If this failed, small iterations
     would pay for heavy padding or large ones would have no graph."""
-    buckets = default_buckets(max_batch)
+    buckets = default_buckets(max_tokens)
     assert buckets == sorted(set(buckets))
-    assert buckets[0] == 1 and buckets[-1] == max_batch
+    assert buckets[0] == 1 and buckets[-1] == max_tokens
     small = [b for b in buckets if b <= 32]
-    assert small == [b for b in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if b < max_batch] + ([max_batch] if max_batch <= 32 else [])
-    large = [b for b in buckets if b > 32]
-    steps = {b - a for a, b in zip([32] + large, large)}
-    assert all(s <= 16 for s in steps), f"large buckets too coarse: {large}"
+    assert small == [b for b in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if b < max_tokens] + ([max_tokens] if max_tokens <= 32 else [])
+    for below, above in zip(buckets, buckets[1:]):
+        if below >= 32:
+            assert above - below <= max(16, above // 4), f"{below} -> {above} too coarse: {buckets}"
+    assert all(b - a == 16 for a, b in zip(buckets, buckets[1:]) if 32 <= a and b <= 256)
 
 
-def test_default_buckets_for_256():
-    assert default_buckets(256) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, *range(48, 257, 16)]
+def test_default_buckets_for_2048():
+    assert default_buckets(2048) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, *range(48, 257, 16), *range(320, 513, 64),
+                                     *range(640, 1025, 128), *range(1280, 2049, 256)]
 
 
 def test_default_buckets_rejects_nonpositive():
-    with pytest.raises(ValueError, match="max_batch"):
+    with pytest.raises(ValueError, match="max_tokens"):
         default_buckets(0)
 
 
@@ -117,5 +120,5 @@ def test_oversized_batch_raises_when_strict():
 
 
 def test_runner_rejects_bad_buckets():
-    with pytest.raises(ValueError, match="max_batch"):
+    with pytest.raises(ValueError, match="max_tokens"):
         GraphRunner(RecordingStep(), [1, 16], 8, "cpu")

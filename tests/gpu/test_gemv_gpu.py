@@ -96,7 +96,7 @@ def test_pdl_is_on_for_hopper_and_changes_no_bit():
 def smol_model(layers: int = 4) -> LlamaModel:
     """SmolLM2-135M's shapes, random weights, fewer layers (the replay check is per layer)."""
     config = msgspec.structs.replace(ModelConfig.preset("smollm2-135m"), num_layers=layers, max_seq_len=256)
-    return LlamaModel(config, 9, DEVICE, max_decode_rows=8)
+    return LlamaModel(config, 9, DEVICE)
 
 
 def test_time_projections_reports_every_projection_and_row_count():

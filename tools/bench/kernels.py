@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
 
 def run(config: ModelConfig, rows: list[int], command: list[str], out, *, smoke: bool) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
-    model = LlamaModel(config, 1, device, max_decode_rows=max(rows))
+    model = LlamaModel(config, 1, device)
     pdl = gemv.pdl_supported(device)
     with_pdl = time_projections(model, rows, pdl=pdl)
     without_pdl = time_projections(model, rows, pdl=False) if pdl else with_pdl
