@@ -18,6 +18,7 @@ import torch
 
 from graphrelay.capture.iteration.engine import Engine, EngineConfig
 from graphrelay.capture.iteration.graph_runner import WARMUP_RUNS, GraphRunner
+from graphrelay.capture.model.linear_plan import LinearPlan
 from graphrelay.capture.model.model import LlamaModel, ModelConfig
 from graphrelay.capture.iteration.sampling import SamplingParams
 from graphrelay.capture.iteration.inputs import IterationInputs
@@ -64,10 +65,12 @@ def build_stack(
     buckets: Optional[Sequence[int]] = None,
     use_graphs: bool = True,
     depth: int = 3,
+    plan: Optional[LinearPlan] = None,
 ) -> Stack:
     """A stack, warmed up (and captured when `use_graphs` on CUDA), mirror reset to iteration 0.
 
-    Eager stacks run the runner's warm-up too, so their padding scratch rows (KV row 0) hold
+    plan: the projection backends (None: measured on the GPU, as serving does); twins compared
+    bit for bit pass the same plan. Eager stacks run the runner's warm-up too, so their padding scratch rows (KV row 0) hold
     what a captured twin's hold, and whole-state comparisons stay bit-exact."""
     device = torch.device(device)
     # Built by the engine, as serving builds it (relay without host-side value checks, which
@@ -84,7 +87,7 @@ def build_stack(
         for bs in sorted(runner.buckets, reverse=True):
             for _ in range(WARMUP_RUNS):
                 stack.step(bs)
-    engine.capture()  # graphs (if any), and the mirror back at iteration 0
+    engine.capture(plan)  # graphs (if any), and the mirror back at iteration 0
     return stack
 
 

@@ -309,7 +309,9 @@ def run_speculative(bucket: StaticBucket, prompts, params, total: int, rng: rand
     accept_len. Returns ({slot: tokens}, iterations)."""
     history, bs = bucket.step.history, bucket.bs
     for slot, prompt in enumerate(prompts, 1):
-        history.write_tokens(torch.full((len(prompt),), slot), torch.arange(len(prompt)), torch.tensor(prompt))
+        on = dict(device=history.device)
+        history.write_tokens(torch.full((len(prompt),), slot, **on), torch.arange(len(prompt), **on),
+                             torch.tensor(prompt, **on))
     lengths = {slot: len(prompt) for slot, prompt in enumerate(prompts, 1)}
     iterations = 0
     while any(n < total for n in lengths.values()):

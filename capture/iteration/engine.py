@@ -178,13 +178,17 @@ class Engine:
         `launch` refuses to run outside it."""
         return torch.cuda.stream(self.torch_stream) if self.on_gpu else nullcontext()
 
-    def capture(self) -> CaptureReport:
-        """Warm up and capture every token bucket, then restart the mirror at iteration 0."""
+    def capture(self, plan: LinearPlan | None = None) -> CaptureReport:
+        """Warm up and capture every token bucket, then restart the mirror at iteration 0.
+        plan: the projection backends to use; None measures them on this GPU (twins that must
+        agree bit for bit share one plan, since timings choose by noise where backends tie)."""
         with self.activate():
-            # Projection backends per token bucket, timed on this GPU before anything is captured
-            # (only where a skinny GEMM can win; larger buckets keep cuBLAS).
-            small = [b for b in self.runner.buckets if b <= SKINNY_ROWS]
-            self.model.plan = LinearPlan.measured(self.model, small, stream=self.torch_stream)
+            if plan is None:
+                # Projection backends per token bucket, timed on this GPU before anything is
+                # captured (only where a skinny GEMM can win; larger buckets keep cuBLAS).
+                small = [b for b in self.runner.buckets if b <= SKINNY_ROWS]
+                plan = LinearPlan.measured(self.model, small, stream=self.torch_stream)
+            self.model.plan = plan
             report = self.runner.capture()
         self.mirror.reset()
         if self.controls is not None and self.controls.logprobs is not None:

@@ -146,8 +146,8 @@ class LinearPlan:
         """Time both backends for every projection at each row count in `sizes` (CUDA graphs,
         on `stream`), keep the faster. Torch throughout on a CPU or under tensor parallelism.
         Run it before capturing: it compiles the kernels the chosen plan launches."""
-        if model.device.type != "cuda" or model.tp is not None:
-            return cls.fixed("torch")
+        if model.device.type != "cuda" or model.tp is not None or not sizes:
+            return cls.fixed("torch")  # no bucket small enough for a skinny GEMM to win: cuBLAS
         return cls.from_timings(time_projections(model, sizes, stream=stream))
 
     def backends(self, rows: int) -> dict[str, str]:

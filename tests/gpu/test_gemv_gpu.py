@@ -154,7 +154,8 @@ def test_bench_kernels_smoke_writes_every_row(tmp_path):
 
 
 def test_engine_capture_plans_every_bucket_before_capturing():
-    engine = Engine(EngineConfig(ModelConfig.preset("tiny"), max_reqs=4, max_batch=4, device="cuda", buckets=(1, 4)))
+    engine = Engine(EngineConfig(ModelConfig.preset("tiny"), max_reqs=4, max_batch=4, device="cuda", buckets=(1, 4),
+                                 max_tokens=4))
     engine.capture()
     plan = engine.model.plan
     assert sorted(plan.choices) == [1, 4]
