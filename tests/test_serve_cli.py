@@ -11,7 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-from graphrelay.capture.serving.cli import serve_main
+import pytest
+
+from graphrelay.capture.serving.cli import generate_main, serve_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -162,3 +164,90 @@ def test_ctrl_c_stops_every_tensor_parallel_rank():
         time.sleep(0.5)
     else:
         raise AssertionError(f"rank processes still running after Ctrl-C: {states}")
+
+
+TINY = ["--model", "tiny", "--device", "cpu", "--quiet"]
+
+
+def test_a_top_k_the_engine_cannot_store_fails_before_any_work(tmp_path, capsys):
+    """It used to fail mid-run ("cannot be converted to type int32"), losing what had finished."""
+    path, out = tmp_path / "requests.jsonl", tmp_path / "out.json"
+    path.write_text('{"prompt": [1, 2, 3], "max_new_tokens": 2}\n'
+                    '{"id": "wide", "prompt": [1, 2], "max_new_tokens": 40, "sampling": {"temperature": 1.0, "top_k": 3000000000}}\n')
+    assert serve_main([*TINY, "--requests", str(path), "--json", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "request 'wide': sampling top_k 3000000000" in err and "--max-top-k" in err and "Traceback" not in err
+    assert serve_main([*TINY, "--requests", str(path), "--max-top-k", "4000000000"]) == 2
+    assert "does not fit the engine's int32 top-k column" in capsys.readouterr().err
+    assert serve_main([*TINY, "--top-k", "3000000000"]) == 2
+    assert "--top-k 3000000000 is above --max-top-k 64" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_a_run_that_fails_part_way_keeps_what_finished(tmp_path, capsys, monkeypatch):
+    """Whatever the up-front checks miss: finished outputs are written, the rest are named."""
+    from graphrelay.capture.iteration.engine import Engine
+
+    path, out = tmp_path / "requests.jsonl", tmp_path / "out.json"
+    path.write_text('{"id": "short", "prompt": [1, 2], "max_new_tokens": 2}\n'
+                    '{"id": "long", "prompt": [3, 4], "max_new_tokens": 60}\n')
+    launch = Engine.launch
+
+    def failing_launch(self, spans):
+        if self.iterations_launched == 10:
+            raise RuntimeError("device lost")
+        return launch(self, spans)
+
+    monkeypatch.setattr(Engine, "launch", failing_launch)
+    assert serve_main([*TINY, "--requests", str(path), "--json", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "failed part-way (RuntimeError: device lost); 1 of 2 requests had finished" in err
+    assert f"outputs are in {out}; unfinished: 'long'" in err
+    report = json.loads(out.read_text())
+    assert report["unfinished"] == ["long"] and "device lost" in report["error"]
+    assert [(o["id"], len(o["tokens"])) for o in report["outputs"]] == [("short", 2)]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--requests", "FILE", "--temperature", "5"], "--temperature does not apply to this run, which serves the requests in"),
+    (["--requests", "FILE", "--seed", "3"], "--seed does not apply"),
+    (["--requests", "FILE", "--max-new-tokens", "9"], "--max-new-tokens does not apply"),
+    (["--weights", "random", "--tokenizer", "--top-k", "50"], "--top-k does not apply to this run, which serves the built-in chat prompts"),
+    (["--num-requests", "4", "--max-new-tokens", "9"], "--max-new-tokens does not apply to this run, which serves a synthetic workload"),
+    (["--spec-k", "0"], "--spec-k sets up speculative decoding, which is off; add --spec ngram"),
+    (["--spec-ngram", "2,2"], "--spec-ngram sets up speculative decoding, which is off"),
+    (["--gguf", "/missing.gguf", "--weights", "random"], "--gguf PATH gives real weights, which --weights random leaves unused"),
+])
+def test_options_the_run_would_ignore_are_refused(tmp_path, capsys, args, message):
+    path = tmp_path / "requests.jsonl"
+    path.write_text('{"prompt": [1, 2], "max_new_tokens": 2}\n')
+    assert serve_main([*TINY, *[str(path) if a == "FILE" else a for a in args]]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_tp_that_does_not_split_the_preset_is_refused_before_the_model_loads(capsys, monkeypatch):
+    import graphrelay.capture.serving.cli as cli
+
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert serve_main(["--tp", "2", "--device", "cpu", "--quiet"]) == 2
+    assert "num_heads (9) divisible by 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--top-k", "3000000000"], "--top-k 3000000000 is above 2147483647, the most the engine stores; 0 = no cut"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1, got 0"),
+    (["--top-p", "0"], "--top-p must be a float in (0, 1]"),
+    (["--spec-k", "2"], "--spec-k sets up speculative decoding, which is off"),
+])
+def test_generate_names_the_flag_before_the_model_loads(capsys, monkeypatch, args, message):
+    import graphrelay.capture.serving.cli as cli
+
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert generate_main(["Hi", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_generate_refuses_an_empty_plain_prompt_by_name(capsys):
+    assert generate_main(["", "--no-chat", "--model", "tiny", "--weights", "random", "--tokenizer", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "the prompt is empty (it encodes to no tokens)" in err and "request '0'" not in err

@@ -49,6 +49,8 @@ def default_gguf_path() -> Path:
 def resolve_gguf_path(path: str | os.PathLike | None) -> Path:
     """The file to load: `path` if given, else the default; checked to exist."""
     resolved = Path(path) if path is not None else default_gguf_path()
+    if resolved.is_dir():
+        raise ModelFileError(f"model file {resolved} is a directory; give the path of the .gguf file itself")
     if not resolved.is_file():
         raise ModelFileError(f"model file {resolved} does not exist; {INSTALL_HINT}")
     return resolved
@@ -95,7 +97,9 @@ def read_gguf(path: str | os.PathLike, max_seq_len: int = 2048, dtype: str = "fl
             raise ModelFileError(f"model file {path}: cannot dequantize {name} ({t.tensor_type.name}): {exc}") from None
         return torch.from_numpy(np.array(values, dtype=np.float32))  # a writable copy
 
-    vocab = int(meta("llama.vocab_size", len(reader.fields["tokenizer.ggml.tokens"].data)))
+    # The tokenizer's size only when the key is absent (a default argument would be evaluated,
+    # and fail on a file without a tokenizer, even when the key exists).
+    vocab = int(meta("llama.vocab_size")) if "llama.vocab_size" in reader.fields else len(meta("tokenizer.ggml.tokens"))
     config = ModelConfig(
         vocab_size=vocab,
         hidden_size=hidden,

@@ -38,6 +38,9 @@ def load_model(
         raise ValueError(f"weights {weights!r} is not one of {WEIGHT_SOURCES}")
     preset = ModelConfig.preset(name)
     real = uses_gguf(name, weights, gguf)
+    if gguf is not None and not real:
+        raise ValueError("--gguf PATH gives real weights, which --weights random leaves unused; drop one of them "
+                         "(random weights take the file's tokenizer with --tokenizer PATH)")
     if real and tokenizer is not None:
         raise ValueError("a tokenizer file goes with random weights only (a GGUF model brings its own); use --weights random")
     if not real:

@@ -10,8 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from graphrelay.capture.model.checkpoint import INSTALL_HINT, ModelFileError
+
 # Tokens that end a turn besides the tokenizer's EOS, where the vocabulary has them.
 _END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>")
+# Roles chat templates are written for: a template renders any string it is given (SmolLM2's
+# would open a "<|im_start|>wizard" turn the model never saw), so others are refused.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 class TextCodec:
@@ -21,7 +26,15 @@ class TextCodec:
         from transformers import AutoTokenizer  # a model dependency, not a library one
 
         path = Path(gguf_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except Exception as exc:  # transformers' GGUF reader fails on a missing key with anything (KeyError, ...)
+            raise ModelFileError(f"model file {path}: transformers cannot build its tokenizer "
+                                 f"({type(exc).__name__}: {exc}); {INSTALL_HINT}") from None
+        if type(self.tokenizer.backend_tokenizer.model).__name__ == "BPE":
+            # transformers skips this WordPiece clean-up for BPE anyway and warns on every
+            # first decode that it does; turning it off keeps the text and drops the warning.
+            self.tokenizer.clean_up_tokenization_spaces = False
         vocab = self.tokenizer.get_vocab()
         stops = {vocab[t] for t in _END_OF_TURN if t in vocab}
         if self.tokenizer.eos_token_id is not None:
@@ -44,6 +57,8 @@ class TextCodec:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError(f"messages[{i}] must be an object with string 'role' and 'content'")
+            if m["role"] not in CHAT_ROLES:
+                raise ValueError(f"messages[{i}]: role {m['role']!r} is not one of {', '.join(CHAT_ROLES)}")
         ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
         # transformers 5 returns a BatchEncoding here, 4.x a plain list.
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

@@ -23,15 +23,16 @@ from graphrelay.capture.iteration.controls.state import ControlsConfig
 from graphrelay.capture.iteration.engine import DEFAULT_MAX_TOKENS, Engine, EngineConfig
 from graphrelay.capture.iteration.graph_runner import CaptureReport
 from graphrelay.capture.serving.detokenize import TextSink
-from graphrelay.capture.serving.inbox import Inbox
+from graphrelay.capture.serving.inbox import CollectingSink, Inbox
 from graphrelay.capture.serving.loop import MODES, LoopResult, ServingLoop
 from graphrelay.capture.model.model import MODEL_DTYPES, MODEL_PRESETS, ModelConfig
-from graphrelay.capture.model.model_source import WEIGHT_SOURCES, LoadedModel, default_dtype, load_model
+from graphrelay.capture.model.model_source import WEIGHT_SOURCES, LoadedModel, default_dtype, load_model, uses_gguf
 from graphrelay.capture.model.text import TextCodec
 from graphrelay.capture.iteration.sampling import SamplingParams
 from graphrelay.capture.iteration.ngram import SpecConfig
 from graphrelay.capture.parallel.tp_launch import RankFailed, run_ranks
 from graphrelay.capture.parallel.tp_serve import serve_rank
+from graphrelay.capture.serving.request_checks import INT32_MAX, check_requests
 from graphrelay.capture.serving.workloads import Request, SyntheticWorkload, WorkloadError, demo_requests, load_jsonl
 
 
@@ -113,6 +114,26 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-ngram", type=_int_range, default=(1, 3), help="n-gram sizes MIN,MAX to look up (default 1,3)")
 
 
+# Flags that only one kind of workload reads; given to another they would be ignored.
+SYNTHETIC_FLAGS = ("num_requests", "prompt_len", "output_len", "rate", "temperature", "top_k", "stop_token", "seed")
+BUILT_IN_FLAGS = ("max_new_tokens",)
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _given(parser: argparse.ArgumentParser, args, dests) -> list[str]:
+    """The flags among `dests` set to something other than their default."""
+    return [_flag(d) for d in dests if getattr(args, d) != parser.get_default(d)]
+
+
+def _check_spec_args(parser: argparse.ArgumentParser, args) -> None:
+    given = _given(parser, args, ("spec_k", "spec_ngram"))
+    if args.spec == "none" and given:
+        raise ValueError(f"{given[0]} sets up speculative decoding, which is off; add --spec ngram or drop {given[0]}")
+
+
 def _spec(args) -> Optional[SpecConfig]:
     if args.spec == "none":
         return None
@@ -138,6 +159,7 @@ def serve_main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        _check_serve_args(parser, args)
         return _serve(args)
     except (WorkloadError, ValueError, RuntimeError) as exc:
         print(f"graphrelay serve: error: {exc}", file=sys.stderr)
@@ -158,21 +180,28 @@ def generate_main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     try:
+        _check_spec_args(p, args)
+        if args.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+        sampling = _generate_sampling(args)
         device = _device(args)
         loaded = _load(args, device)
         if loaded.codec is None:
             raise ValueError(f"model {args.model} has random weights and no tokenizer; use smollm2-135m or --gguf PATH")
         prompt = loaded.codec.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else loaded.codec.encode(args.prompt)
+        if not prompt:
+            raise ValueError("the prompt is empty (it encodes to no tokens); give some text, or drop --no-chat")
         if len(prompt) + args.max_new_tokens > loaded.config.max_seq_len:
             raise ValueError(f"the prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} exceed "
                              f"--max-seq-len {loaded.config.max_seq_len}; raise --max-seq-len")
         request = Request(id="0", prompt=prompt, max_new_tokens=args.max_new_tokens, stop_tokens=loaded.codec.stop_tokens,
-                          sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed))
+                          sampling=sampling)
         spec = _spec(args)
         # One request: graphs only up to its prompt (later iterations are single decode spans).
         max_tokens = max(len(prompt), spec.rows if spec else 1)
         engine = Engine(EngineConfig(loaded.config, max_reqs=1, max_batch=1, device=str(device),
-                                     use_graphs=device.type == "cuda", spec=spec, max_tokens=max_tokens),
+                                     use_graphs=device.type == "cuda", spec=spec, max_tokens=max_tokens,
+                                     max_top_k=max(64, args.top_k)),  # wide enough for any --top-k
                         weights=loaded.weights)
         engine.capture()
         result = ServingLoop(engine, "overlap").run([request])
@@ -181,6 +210,44 @@ def generate_main(argv: list[str]) -> int:
         return 2
     print(loaded.codec.decode(result.outputs["0"].tokens).strip())
     return 0
+
+
+def _generate_sampling(args) -> SamplingParams:
+    """generate's sampling flags, checked before the model loads and named as flags."""
+    if args.top_k > INT32_MAX:
+        raise ValueError(f"--top-k {args.top_k} is above {INT32_MAX}, the most the engine stores; 0 = no cut")
+    try:
+        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    except ValueError as exc:  # "SamplingParams.top_k must ..." -> "--top-k must ..."
+        message = str(exc)
+        for name in SamplingParams.__struct_fields__:
+            message = message.replace(f"SamplingParams.{name}", _flag(name))
+        raise ValueError(message) from None
+
+
+def _check_serve_args(parser: argparse.ArgumentParser, args) -> None:
+    """Before the model loads: flags the chosen workload would ignore, and limits known up
+    front (a preset's heads split over --tp, the synthetic --top-k against --max-top-k)."""
+    _check_spec_args(parser, args)
+    if args.tp < 1:
+        raise ValueError(f"--tp must be at least 1, got {args.tp}")
+    if args.port is None:
+        text = uses_gguf(args.model, args.weights, args.gguf) or args.tokenizer is not None
+        if args.requests is not None:
+            what, foreign = f"the requests in {args.requests} (each gives its own length and sampling)", SYNTHETIC_FLAGS + BUILT_IN_FLAGS
+        elif text and not args.synthetic:
+            what, foreign = "the built-in chat prompts (greedy)", SYNTHETIC_FLAGS
+        else:
+            what, foreign = "a synthetic workload", BUILT_IN_FLAGS
+        given = _given(parser, args, foreign)
+        if given:
+            raise ValueError(f"{given[0]} does not apply to this run, which serves {what}; drop {given[0]} "
+                             f"(see --help: each option says which workload reads it)")
+        if args.top_k > args.max_top_k:
+            raise ValueError(f"--top-k {args.top_k} is above --max-top-k {args.max_top_k}, the engine's top-k width; "
+                             f"lower --top-k (0 = no cut) or raise --max-top-k")
+    if args.gguf is None and args.tp > 1:
+        ModelConfig.preset(args.model).shard(args.tp)  # a preset's heads must split (a --gguf file's are checked once read)
 
 
 def _serve(args) -> int:
@@ -205,10 +272,9 @@ def _serve(args) -> int:
             temperature=args.temperature, top_k=args.top_k, seed=args.seed,
         ).requests()
     config = _engine_config(args, model, device, requests)
+    check_requests(requests, config)  # before any engine is built or rank spawned: no run fails on a request mid-way
     say(f"graphrelay serve: {len(requests)} requests, model {loaded.source} ({model.dtype}), mode {args.mode}, "
         f"device {device}{'' if config.use_graphs else ' (no CUDA graphs)'}")
-    if args.tp < 1:
-        raise ValueError(f"--tp must be at least 1, got {args.tp}")
     if args.tp > 1:
         if any(r.stop for r in requests):
             raise ValueError("stop strings are matched by the single-process loop only; drop --tp or the requests' \"stop\" fields")
@@ -226,7 +292,10 @@ def _serve(args) -> int:
             lambda s: say(f"  iter {s['iterations']:6d} | running {s['running']:3d} | done {s['done']:4d} | "
                           f"waiting {s['pending']:4d} | {s['elapsed_s']:6.1f} s")
         )
-        result, tp_line = _run_single(loop, requests, loaded.codec, progress), None
+        try:
+            result, tp_line = _run_single(loop, requests, loaded.codec, progress), None
+        except RunFailed as failed:
+            return _report_failed_run(args, loaded, requests, failed)
     print(format_summary(result, capture.seconds, capture.graph_memory_bytes))
     if tp_line:
         print(tp_line)
@@ -285,14 +354,40 @@ def _serve_http(args, loaded: LoadedModel, device: torch.device, say) -> int:
     return run_server(ServingLoop(engine, args.mode), loaded.codec, options, say)
 
 
+class RunFailed(RuntimeError):
+    """A run that failed part-way; `outputs` holds the requests that had finished by then."""
+
+    def __init__(self, cause: BaseException, outputs: dict):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.outputs = outputs
+
+
 def _run_single(loop: ServingLoop, requests: list[Request], codec: Optional[TextCodec], progress) -> LoopResult:
     """Serve a batch in this process; with a tokenizer, outputs carry their text, detokenized
-    as the tokens arrive and cut at the requests' stop strings."""
-    if codec is None:
-        return loop.run(requests, progress=progress)
+    as the tokens arrive and cut at the requests' stop strings. A failure part-way raises
+    `RunFailed` with what had finished, so that work is not lost."""
     inbox = Inbox.of(requests)
-    sink = TextSink(codec, inbox, requests)
-    return LoopResult(outputs=sink.outputs, stats=loop.serve(inbox, sink, progress=progress))
+    sink = CollectingSink() if codec is None else TextSink(codec, inbox, requests)
+    try:
+        stats = loop.serve(inbox, sink, progress=progress)
+    except Exception as exc:  # anything the checks up front did not foresee
+        raise RunFailed(exc, dict(sink.outputs)) from exc
+    return LoopResult(outputs=sink.outputs, stats=stats)
+
+
+def _report_failed_run(args, loaded: LoadedModel, requests: list[Request], failed: RunFailed) -> int:
+    """Keep what finished (in --json, with the ids that did not) and say which did not."""
+    unfinished = [r.id for r in requests if r.id not in failed.outputs]
+    kept = ""
+    if args.json is not None:
+        payload = {"model": loaded.source, "error": str(failed), "outputs": list(failed.outputs.values()),
+                   "unfinished": unfinished}
+        write_atomically(args.json, msgspec.json.format(msgspec.json.encode(payload)))
+        kept = f"; their outputs are in {args.json}"
+    shown = ", ".join(repr(i) for i in unfinished[:10]) + (", ..." if len(unfinished) > 10 else "")
+    print(f"graphrelay serve: error: the run failed part-way ({failed}); {len(failed.outputs)} of {len(requests)} "
+          f"requests had finished{kept}; unfinished: {shown}", file=sys.stderr)
+    return 1
 
 
 def _serve_tensor_parallel(world: int, config: EngineConfig, requests: list[Request], mode: str, loaded: LoadedModel,

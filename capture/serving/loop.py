@@ -37,6 +37,7 @@ from graphrelay.capture.iteration.engine import Engine
 from graphrelay.capture.iteration.spans import Span, decode_span, prefill_span
 from graphrelay.capture.serving.inbox import CollectingSink, Inbox, Sink
 from graphrelay.capture.serving.loop_stats import IterationClock, LoopStats
+from graphrelay.capture.serving.request_checks import check_requests
 from graphrelay.capture.serving.sync_count import HostSyncCounter
 from graphrelay.capture.serving.workloads import Request
 
@@ -100,15 +101,8 @@ class ServingLoop:
 
     def check_requests(self, requests: list[Request]) -> None:
         """Reject requests the engine cannot hold, naming the request and the limit."""
-        config = self.engine.model.config
+        check_requests(requests, self.engine.config)
         for r in requests:
-            if len(r.prompt) + r.max_new_tokens > config.max_seq_len:
-                raise ValueError(
-                    f"request {r.id!r}: prompt ({len(r.prompt)}) + max_new_tokens ({r.max_new_tokens}) "
-                    f"exceeds the model's max_seq_len {config.max_seq_len}"
-                )
-            if max(r.prompt) >= config.vocab_size:
-                raise ValueError(f"request {r.id!r}: token id {max(r.prompt)} >= vocab_size {config.vocab_size}")
             if r.controls is not None and self.engine.controls is None:
                 raise ValueError(f"request {r.id!r} has sampling controls; build the engine with EngineConfig.controls")
             if r.controls is not None:
@@ -116,9 +110,6 @@ class ServingLoop:
                     self.engine.controls.check(r.controls, r.stop_tokens)
                 except ValueError as e:
                     raise ValueError(f"request {r.id!r}: {e}") from None
-        ids = [r.id for r in requests]
-        if len(set(ids)) != len(ids):
-            raise ValueError("request ids must be unique")
 
     def run(
         self,

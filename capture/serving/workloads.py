@@ -9,6 +9,7 @@ turned into token ids here, by the model's `TextCodec`, before the engine sees i
 from __future__ import annotations
 
 import math
+import numbers
 import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -40,16 +41,45 @@ class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.prompt:
-            raise ValueError(f"request {self.id!r}: prompt is empty; give at least one token id")
-        if any(t < 0 for t in self.prompt):
-            raise ValueError(f"request {self.id!r}: prompt token ids must be >= 0")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"request {self.id!r}: max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.arrival < 0:
-            raise ValueError(f"request {self.id!r}: arrival must be >= 0 seconds, got {self.arrival}")
-        if any(not s for s in self.stop):
-            raise ValueError(f"request {self.id!r}: stop strings must be non-empty")
+        # The Python constructor does not type-check (msgspec.convert does): a float or bool
+        # here would be compared, counted or staged as if it were valid.
+        where = f"request {self.id!r}"
+        if not isinstance(self.id, str):
+            raise ValueError(f"request id must be a string, got {self.id!r}")
+        if not isinstance(self.prompt, list) or not self.prompt:
+            raise ValueError(f"{where}: prompt must be a non-empty list of token ids")
+        bad = next((t for t in self.prompt if not _is_token_id(t)), None)
+        if bad is not None:
+            raise ValueError(f"{where}: prompt token ids must be ints >= 0, got {bad!r}")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"{where}: max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        bad = next((t for t in self.stop_tokens if not _is_token_id(t)), None)
+        if bad is not None:
+            raise ValueError(f"{where}: stop_tokens must be token ids (ints >= 0), got {bad!r}")
+        if not isinstance(self.sampling, SamplingParams):
+            raise ValueError(f"{where}: sampling must be a SamplingParams (e.g. SamplingParams(temperature=0.7)), "
+                             f"got {type(self.sampling).__name__}")
+        if self.controls is not None and not isinstance(self.controls, ControlParams):
+            raise ValueError(f"{where}: controls must be a ControlParams or None, got {type(self.controls).__name__}")
+        # A NaN or infinite arrival would never come due and the run would wait forever; past
+        # MAX_ARRIVAL_S it is almost surely milliseconds given as seconds.
+        if (isinstance(self.arrival, bool) or not isinstance(self.arrival, (int, float))
+                or not 0 <= self.arrival <= MAX_ARRIVAL_S):
+            raise ValueError(f"{where}: arrival must be seconds after the run starts, 0..{MAX_ARRIVAL_S:g}, "
+                             f"got {self.arrival!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"{where}: stop strings must be non-empty strings")
+
+
+MAX_ARRIVAL_S = 3600.0  # the latest arrival a batch run accepts: one hour
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_token_id(value) -> bool:
+    return _is_int(value) and value >= 0
 
 
 class SyntheticWorkload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -114,7 +144,7 @@ def load_jsonl(path: str | Path, codec: Optional["TextCodec"] = None, chat: bool
     A request gives its prompt as token ids (`"prompt": [1, 2, 3]`), as text (`"prompt": "..."`,
     through the chat template when `chat`), or as chat messages (`"messages": [{"role": ...,
     "content": ...}]`); text needs the model's `codec`. Text requests stop at the model's
-    end-of-turn tokens unless they give `stop_tokens`; `"stop": "..."` or `["...", ...]`
+    end-of-turn tokens and at any `stop_tokens` they add; `"stop": "..."` or `["...", ...]`
     adds stop strings (text is cut before the first). The file is read line by line (a huge or
     endless file fails at its first bad line, not by filling memory); lines end at "\n" only,
     so U+2028 inside a JSON string is just a character.
@@ -135,6 +165,8 @@ def load_jsonl(path: str | Path, codec: Optional["TextCodec"] = None, chat: bool
                     line = raw_line.decode("utf-8")
                 except UnicodeDecodeError as exc:
                     raise WorkloadError(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start}); save the file as UTF-8") from None
+                if number == 1:
+                    line = line.removeprefix("\ufeff")  # a byte-order mark some editors write first
                 if not line.strip():
                     continue
                 try:
@@ -175,7 +207,11 @@ def _encode_text(raw: dict, codec: Optional["TextCodec"], chat: bool) -> None:
         raw["prompt"] = codec.encode_chat(messages)
     else:
         raw["prompt"] = codec.encode_chat([{"role": "user", "content": prompt}]) if chat else codec.encode(prompt)
-    raw.setdefault("stop_tokens", list(codec.stop_tokens))
+    # A text request's own stop_tokens add to the end-of-turn stops (replacing them would
+    # let a chat answer run past its turn).
+    given = raw.get("stop_tokens", [])
+    if isinstance(given, list):  # anything else is reported by the conversion
+        raw["stop_tokens"] = list(codec.stop_tokens) + [t for t in given if t not in codec.stop_tokens]
 
 
 DEMO_QUESTIONS = (
