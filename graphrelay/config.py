@@ -208,13 +208,17 @@ class RelayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "RelayConfig":
-        """Load from a `.json` or `.toml` file."""
+        """Load from a `.json` or `.toml` file; any error names the file."""
         path = Path(path)
-        if path.suffix == ".json":
-            return cls.from_json(path.read_bytes())
-        if path.suffix == ".toml":
-            return cls.from_toml(path.read_bytes())
-        raise ValueError(f"RelayConfig file {path} must end in .json or .toml")
+        decode = {".json": cls.from_json, ".toml": cls.from_toml}.get(path.suffix)
+        if decode is None:
+            raise ValueError(f"RelayConfig file {path} must end in .json or .toml")
+        try:
+            return decode(path.read_bytes())
+        except OSError as exc:
+            raise ValueError(f"cannot read RelayConfig file {path}: {exc.strerror}") from None
+        except ValueError as exc:  # msgspec.DecodeError is a ValueError too
+            raise ValueError(f"RelayConfig file {path}: {exc}") from None
 
     def to_json(self) -> bytes:
         return msgspec.json.encode(self)
@@ -226,3 +230,5 @@ def _decode(decode):
     except msgspec.ValidationError as exc:
         # Our own __post_init__ ValueErrors surface through msgspec as ValidationError.
         raise ValueError(f"invalid RelayConfig: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"malformed RelayConfig: {exc}") from None

@@ -32,7 +32,7 @@ class Relay(validation.Validating):
 
     def __init__(self, config: RelayConfig, device: torch.device | str = "cpu", *, backend: Optional[str] = None, validate: bool = True):
         self.config = config
-        self.device = torch.device(device)
+        self.device = validation.check_device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         backend = backend or ("triton" if self.device.type == "cuda" else "torch")

@@ -28,6 +28,15 @@ def require_bool(name: str, value) -> None:
         raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
+def check_device(device) -> torch.device:
+    """`device` as a torch.device; a CUDA one must exist (torch's own check is a bare assert)."""
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r}: this torch sees no CUDA device (a CPU-only build, or no GPU); "
+                         f"use device='cpu'")
+    return device
+
+
 class Validating:
     """Host-side checks, on unless turned off by the constructor's `validate=False` or for one
     block by `with obj.validation(False): ...`; never run during CUDA graph capture."""
@@ -151,6 +160,14 @@ def check_field(field: Field, value, bs: int, device: torch.device, *, role: str
             raise ValueError(f"{where} has elements that share memory (an expanded view); pass a buffer with its own storage per element")
     else:
         _check_fits(field, value, where)
+        if field.name == "seq_lens":
+            _check_non_negative(value, where)
+
+
+def _check_non_negative(value: torch.Tensor, where: str) -> None:
+    """A sequence length counts tokens: a negative one fits the dtype but means nothing."""
+    if value.numel() and int(value.min()) < 0:
+        raise ValueError(f"{where} holds {int(value.min())}; sequence lengths must be >= 0")
 
 
 def check_unexpected(struct, fields: tuple[Field, ...], *, role: str) -> None:

@@ -91,3 +91,13 @@ def test_debug_switch_rejects_other_values(monkeypatch, raw):
     monkeypatch.setenv("GRAPHRELAY_DEBUG", raw)
     with pytest.raises(ValueError, match=f"GRAPHRELAY_DEBUG={raw!r} is not a boolean.*1/0, true/false, yes/no, on/off"):
         RelayConfig.plain(4, 2).debug_enabled
+
+
+@pytest.mark.parametrize("name, text", [("relay.toml", "max_reqs = [\n"), ("relay.json", '{"max_reqs": ')])
+def test_a_malformed_file_is_named(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError, match=f"RelayConfig file {path}: malformed RelayConfig"):
+        RelayConfig.load(path)
+    with pytest.raises(ValueError, match=f"cannot read RelayConfig file {tmp_path / 'missing.toml'}"):
+        RelayConfig.load(tmp_path / "missing.toml")

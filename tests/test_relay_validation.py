@@ -217,3 +217,17 @@ def test_validation_is_switched_per_block_not_by_assignment(relay):
         relay.validation("off").__enter__()
     with pytest.raises(ValueError, match="validate=.*must be True or False"):
         Relay(CONFIG, validate="no")
+
+
+def test_a_negative_seq_len_is_rejected(relay):
+    idx, _, _, confidence = good_inputs(relay)
+    before = snapshot(relay)
+    with pytest.raises(ValueError, match=r"publish.seq_lens holds -5; sequence lengths must be >= 0"):
+        relay.publish(idx, torch.tensor([-5, 4], dtype=torch.int32), confidence)
+    assert_same_state(before, snapshot(relay))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a torch that has no CUDA device")
+def test_a_cuda_relay_without_cuda_says_so():
+    with pytest.raises(ValueError, match="device 'cuda': this torch sees no CUDA device .*use device='cpu'"):
+        Relay(CONFIG, "cuda")

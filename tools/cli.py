@@ -9,14 +9,26 @@ from __future__ import annotations
 import os
 import sys
 
-USAGE = """usage: graphrelay {serve,generate,lint,bench} [ARGS]
+from graphrelay.tools.bench import SUBCOMMANDS
+
+# The bench entry lists every benchmark the bench command plugs in (its registry imports nothing heavy).
+def _bench_entry(width: int = 110) -> str:
+    words = ["benchmarks:", *(f"`bench {name}`," for name in SUBCOMMANDS), "see", "`graphrelay", "bench", "--help`"]
+    lines = [""]
+    for word in words:  # wrapped at whole words, so no benchmark name is split over two lines
+        if len(lines[-1]) + len(word) + 1 > width - 12:
+            lines.append("")
+        lines[-1] = f"{lines[-1]} {word}".lstrip()
+    return ("\n" + " " * 12).join(lines)
+
+
+USAGE = f"""usage: graphrelay {{serve,generate,lint,bench}} [ARGS]
 
   serve     run the overlap-scheduled decode loop on a workload (default: the real model on chat prompts),
             or with --port PORT serve it over an OpenAI-compatible HTTP API
   generate  print the model's completion of one prompt
   lint      check that a step function is capturable into a CUDA graph, without a GPU
-  bench     benchmarks: `bench e2e` (against transformers), `bench relay` (the relay's cost), `bench loop`,
-            `bench serve` (online load over a sweep of request rates)
+  bench     {_bench_entry()}
 
 `graphrelay SUBCOMMAND --help` for each one's options."""
 

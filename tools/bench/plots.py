@@ -63,7 +63,8 @@ def figure(panels: Sequence[Union[Panel, BarPanel]], title: str, columns: Option
 
     columns = columns or len(panels)
     rows = -(-len(panels) // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(6.4 * columns, 4.8 * rows), squeeze=False)
+    # Constrained layout makes room for the legends below each panel (tight_layout does not).
+    fig, axes = plt.subplots(rows, columns, figsize=(6.4 * columns, 5.4 * rows), squeeze=False, layout="constrained")
     for ax, panel in zip(axes.flat, panels):
         if isinstance(panel, BarPanel):
             _draw_bars(ax, panel)
@@ -75,7 +76,6 @@ def figure(panels: Sequence[Union[Panel, BarPanel]], title: str, columns: Option
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)  # the grid's unused cells
     fig.suptitle(title)
-    fig.tight_layout()
     return fig
 
 
@@ -106,7 +106,7 @@ def _draw_lines(ax, panel: Panel) -> None:
     if panel.xticklabels is not None:
         ax.set_xticks(range(len(panel.xticklabels)), list(panel.xticklabels))
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize="small")
+    _legend_below(ax)
 
 
 def _draw_bars(ax, panel: BarPanel) -> None:
@@ -132,10 +132,18 @@ def _draw_bars(ax, panel: BarPanel) -> None:
     top = max((v for s in panel.series for v in s.values if v is not None), default=0.0)
     if panel.logy and top > 0:  # a log axis with nothing on it cannot place its ticks
         ax.set_yscale("log")
-    if top > 0:  # headroom above the tallest bar for its value label and the legend
-        ax.set_ylim(top=top * (30 if panel.logy else 1.4))
+    if top > 0:  # headroom above the tallest bar for its value label
+        ax.set_ylim(top=top * (10 if panel.logy else 1.15))
     ax.grid(True, axis="y", which="both", alpha=0.3)
-    ax.legend(fontsize="small", loc="upper left", ncols=min(4, len(panel.series)))
+    _legend_below(ax)
+
+
+def _legend_below(ax) -> None:
+    """The legend under the panel, two entries a row: inside it covered lines, and one row of
+    four long labels was wider than the panel (cut off, and the panel squeezed to make room)."""
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles, labels, fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.14),
+              ncols=min(2, len(labels)), frameon=False)
 
 
 def _short(value: float) -> str:
