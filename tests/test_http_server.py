@@ -5,7 +5,8 @@ the server keeps serving, a full server answers 429, a client that disconnects a
 request and frees its slot, and SIGTERM shuts down cleanly with exit status 0.
 
 One server for the module: the tiny model with random weights and the real tokenizer, 2 slots
-and 2 waiting places (so overload is easy to reach), run on the CPU.
+and 2 waiting places (so overload is easy to reach), run on the CPU, without sampling controls
+(a request that uses them gets a 400 saying so; test_http_controls serves them).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ PROMPT = "The quick brown fox jumps over the lazy dog"
 def server():
     process = start_server(["--model", MODEL, "--weights", "random", "--tokenizer", "--device", "cpu",
                             "--max-reqs", str(SLOTS), "--max-batch", str(SLOTS), "--max-waiting", str(WAITING),
-                            "--max-seq-len", str(CONTEXT), "--max-body-bytes", str(BODY_LIMIT)], START_TIMEOUT_S)
+                            "--max-seq-len", str(CONTEXT), "--max-body-bytes", str(BODY_LIMIT), "--no-controls"],
+                           START_TIMEOUT_S)
     yield process
     stop_server(process)
 
@@ -128,7 +130,9 @@ BAD_REQUESTS = {
     "top_k below -1": ("/v1/completions", {"prompt": "hi", "top_k": -5}, "top_k"),
     "top_k above the engine's width": ("/v1/completions", {"prompt": "hi", "top_k": 100000}, "top_k"),
     "empty stop string": ("/v1/completions", {"prompt": "hi", "stop": [""]}, "stop"),
-    "unsupported parameter": ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs"),
+    "unsupported parameter": ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
+    "controls on a server without them": ("/v1/completions", {"prompt": "hi", "frequency_penalty": 0, "logprobs": 2},
+                                          "logprobs"),
     "no messages": ("/v1/chat/completions", {"messages": []}, "messages"),
     "message of the wrong shape": ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages[0].role"),
     "chat max tokens disagree": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
@@ -144,7 +148,16 @@ def test_bad_request_gets_400_error_json_and_the_server_keeps_serving(server, ca
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["message"] and error["param"] == param
+    assert (error["code"] == "controls_disabled") == (case == "controls on a server without them")
     assert _post(server, "/v1/completions", {"prompt": "still there?", "max_tokens": 2}).status_code == 200
+
+
+def test_neutral_controls_need_no_controls_in_the_engine(server):
+    neutral = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "logit_bias": {}, "min_tokens": 0,
+               "logprobs": False, "response_format": {"type": "text"}}
+    response = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                       **neutral})
+    assert response.status_code == 200 and response.json()["choices"][0]["logprobs"] is None
 
 
 @pytest.mark.parametrize("body", [b"{not json", b"", b'["a list"]', b"\xff\xfe"])

@@ -23,7 +23,7 @@ class RecordingSink:
         self.done = threading.Event()
         self.finished: dict[str, object] = {}
 
-    def on_tokens(self, request_id, tokens):
+    def on_tokens(self, request_id, tokens, logprobs=None):
         self.events.append(("tokens", request_id, list(tokens)))
 
     def on_finish(self, output):

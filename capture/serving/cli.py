@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--buckets", type=_int_list, default=None,
                    help="token-count buckets to capture, ending at --max-tokens (default: dense small, coarse large)")
     p.add_argument("--max-top-k", type=int, default=64, help="static cap on top-k sampling width")
+    p.add_argument("--max-logit-bias", type=int, default=ControlsConfig().max_bias,
+                   help=f"sampling controls: logit_bias entries per request, a power of two (default {ControlsConfig().max_bias})")
+    p.add_argument("--grammar-states", type=int, default=ControlsConfig().grammar_states,
+                   help="sampling controls: automaton states in the shared pool for json_schema / regex requests "
+                        f"(default {ControlsConfig().grammar_states}; each costs 4 bytes per vocabulary token)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks: spawns one process per GPU (NCCL; gloo on --device cpu); default 1")
     p.add_argument("--json", type=Path, help="also write the summary (and outputs) as JSON to this path")
@@ -88,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--max-waiting", type=int, default=1024,
                       help="requests queued beyond the busy slots before answering 429 (default 1024)")
     http.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
+    http.add_argument("--controls", action=argparse.BooleanOptionalAction, default=True,
+                      help="build the engine with sampling controls (penalties, logit_bias, min_tokens, logprobs, "
+                           "response_format); --no-controls: a request that uses them gets a 400 (default: on)")
     http.add_argument("--shutdown-grace", type=float, default=30.0,
                       help="seconds running requests get to finish on SIGINT/SIGTERM before they are aborted")
     p.add_argument("--show", type=int, default=3, help="completions to print (default 3)")
@@ -281,10 +289,7 @@ def _serve(args) -> int:
         result, capture, tp_line = _serve_tensor_parallel(args.tp, config, requests, args.mode, loaded, device, say)
     else:
         engine = Engine(config, weights=loaded.weights, progress=not args.quiet)
-        if engine.controls is not None and loaded.codec is not None:
-            tokenizer = loaded.codec.tokenizer
-            engine.controls.set_compiler(GrammarCompiler(
-                vocabulary(tokenizer_strings(tokenizer), tokenizer.eos_token_id), model.vocab_size))
+        _set_grammar_compiler(engine, loaded)
         loop = ServingLoop(engine, args.mode)
         loop.check_requests(requests)
         capture = engine.capture()
@@ -314,14 +319,24 @@ def _serve(args) -> int:
     return 0
 
 
-def _engine_config(args, model: ModelConfig, device: torch.device, requests=()) -> EngineConfig:
+def _engine_config(args, model: ModelConfig, device: torch.device, requests=(), controls: bool = False) -> EngineConfig:
+    """`controls`: build them whatever the requests ask (the HTTP server's requests come later)."""
     return EngineConfig(
         model, max_reqs=args.max_reqs, max_batch=args.max_batch, device=str(device),
         use_graphs=device.type == "cuda" and args.mode != "eager",
         buckets=tuple(args.buckets) if args.buckets else None, max_top_k=args.max_top_k,
         max_tokens=args.max_tokens, spec=_spec(args),
-        controls=ControlsConfig() if any(r.controls is not None for r in requests) else None,
+        controls=ControlsConfig(max_bias=args.max_logit_bias, grammar_states=args.grammar_states)
+        if controls or any(r.controls is not None for r in requests) else None,
     )
+
+
+def _set_grammar_compiler(engine: Engine, loaded: LoadedModel) -> None:
+    """json_schema / regex requests compile over the model's tokenizer (a text model only)."""
+    if engine.controls is not None and loaded.codec is not None:
+        tokenizer = loaded.codec.tokenizer
+        engine.controls.set_compiler(GrammarCompiler(
+            vocabulary(tokenizer_strings(tokenizer), tokenizer.eos_token_id), loaded.config.vocab_size))
 
 
 def _check_http_args(args) -> None:
@@ -343,8 +358,9 @@ def _serve_http(args, loaded: LoadedModel, device: torch.device, say) -> int:
     if loaded.codec is None:
         raise ValueError(f"the HTTP API serves text, and model {args.model} with random weights has no tokenizer; "
                          f"use the GGUF model, or add --tokenizer for random weights with the real tokenizer")
-    config = _engine_config(args, loaded.config, device)
+    config = _engine_config(args, loaded.config, device, controls=args.controls)
     engine = Engine(config, weights=loaded.weights, progress=not args.quiet)
+    _set_grammar_compiler(engine, loaded)
     say(f"graphrelay serve: model {loaded.source} ({loaded.config.dtype}), mode {args.mode}, device {device}"
         f"{'' if config.use_graphs else ' (no CUDA graphs)'}; capturing")
     engine.capture()

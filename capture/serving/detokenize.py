@@ -29,7 +29,9 @@ class TextStream:
     """One request's completion: feed tokens with `push`, end with `finish`.
 
     `tokens` are the completion's tokens (cut at a stop string); the concatenation of every
-    `push` and `finish` result is its text.
+    `push` and `finish` result is its text. `ends[i]` is where token i's text ends in the
+    decoded text (the returned text is a prefix of it), so a caller can tell which tokens a
+    returned piece covers (the HTTP server's streamed logprobs).
     """
 
     def __init__(self, codec: "TextCodec", stop: Sequence[str] = ()):
@@ -42,6 +44,8 @@ class TextStream:
         self._decoder = DecodeStream(skip_special_tokens=True)
         self._stop = tuple(stop)
         self.tokens: list[int] = []
+        self.ends: list[int] = []
+        self._decoded = 0  # characters the decoder has produced
         self.stopped = False  # a stop string was found: the text and tokens are final
         self._shown: list[str] = []  # the pieces returned so far
         self._held = ""  # decoded text not returned yet: it may begin a stop string
@@ -54,6 +58,8 @@ class TextStream:
                 break
             self.tokens.append(token)
             piece = self._decoder.step(self._tokenizer, token)
+            self._decoded += len(piece or "")
+            self.ends.append(self._decoded)
             if piece:
                 self._held += piece
                 if self._cut_at_stop():
@@ -109,7 +115,7 @@ class TextSink(CollectingSink):
         self._streams = {r.id: TextStream(codec, r.stop) for r in requests}
         self._text: dict[str, list[str]] = {r.id: [] for r in requests}
 
-    def on_tokens(self, request_id: str, tokens: list[int]) -> None:
+    def on_tokens(self, request_id: str, tokens: list[int], logprobs=None) -> None:
         stream = self._streams[request_id]
         if stream.stopped:
             return

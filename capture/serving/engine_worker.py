@@ -19,17 +19,23 @@ import asyncio
 import sys
 import threading
 import traceback
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 
+from graphrelay.capture.iteration.controls.logprobs import TokenLogprobs
 from graphrelay.capture.serving.inbox import Inbox
 from graphrelay.capture.serving.loop import RequestOutput, ServingLoop
 from graphrelay.capture.serving.loop_stats import LoopStats
 from graphrelay.capture.serving.workloads import Request
 
+class NewTokens(NamedTuple):
+    tokens: list[int]
+    logprobs: Optional[list[TokenLogprobs]]  # one per token when the request asked
+
+
 # What a request's queue receives: new tokens, its end, or the engine's failure.
-Event = Union[list[int], RequestOutput, BaseException]
+Event = Union[NewTokens, RequestOutput, BaseException]
 
 
 class Overloaded(Exception):
@@ -119,8 +125,8 @@ class EngineWorker:
             print("graphrelay serve: the engine thread failed:", file=sys.stderr)
             traceback.print_exc()
 
-    def on_tokens(self, request_id: str, tokens: list[int]) -> None:
-        self._post(request_id, tokens)
+    def on_tokens(self, request_id: str, tokens: list[int], logprobs: Optional[list[TokenLogprobs]] = None) -> None:
+        self._post(request_id, NewTokens(tokens, logprobs))
 
     def on_finish(self, output: RequestOutput) -> None:
         self._post(output.id, output)

@@ -3,8 +3,10 @@
 Starlette under uvicorn, one event loop. Handlers validate a request (`openai_api`), submit
 it to the engine thread (`engine_worker`) and turn the tokens that come back into text
 (`detokenize.TextStream`, which also applies the stop strings) for a JSON answer or a
-server-sent-event stream. The detokenization stays on this side, so the engine thread only
-schedules and reads tokens.
+server-sent-event stream, each piece with the logprobs of the tokens it carries when asked
+(`openai_logprobs`). The detokenization stays on this side, so the engine thread only
+schedules and reads tokens. A request's grammar compiles in a worker thread before it is
+submitted, so a slow compile holds up only its own request.
 
 A client that goes away mid-stream cancels its handler, which aborts the request; the loop
 frees the slot once no in-flight iteration reads it. SIGINT / SIGTERM: uvicorn stops
@@ -18,7 +20,7 @@ import asyncio
 import contextlib
 import signal
 import time
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Callable, NamedTuple, Optional
 
 import msgspec
 import uvicorn
@@ -33,7 +35,11 @@ from graphrelay.capture.serving.detokenize import TextStream
 from graphrelay.capture.serving.engine_worker import EngineStopped, EngineWorker, Overloaded
 from graphrelay.capture.serving.loop import RequestOutput, ServingLoop
 from graphrelay.capture.serving.openai_api import (
-    ApiError, ChatRequest, CompletionRequest, Limits, Prepared, decode, prepare_chat, prepare_completion, usage,
+    ApiError, ChatRequest, CompletionRequest, Limits, Prepared, check_controls, decode, prepare_chat, prepare_completion,
+    usage,
+)
+from graphrelay.capture.serving.openai_logprobs import (
+    LogprobCursor, TokenEntry, TokenStrings, chat_logprobs, completion_logprobs,
 )
 
 _encode = msgspec.json.Encoder().encode
@@ -57,6 +63,11 @@ def _error(exc: ApiError) -> Response:
     return _json(exc.body(), exc.status, exc.headers)
 
 
+class Piece(NamedTuple):
+    text: str
+    logprobs: Optional[list[TokenEntry]]  # the tokens the text carries; None unless asked
+
+
 class Completion:
     """One request's answer as it is produced: text pieces, then the finish reason."""
 
@@ -77,7 +88,10 @@ class OpenAIServer:
         config = loop.engine.model.config
         self.codec = codec
         self.options = options
-        self.limits = Limits(options.model_name, config.max_seq_len, config.vocab_size, loop.engine.config.max_top_k)
+        self.controls = loop.engine.controls
+        self.limits = Limits(options.model_name, config.max_seq_len, config.vocab_size, loop.engine.config.max_top_k,
+                             controls=self.controls is not None)
+        self.token_strings = TokenStrings(codec.tokenizer)
         self.worker = EngineWorker(loop, options.max_waiting)
         self.started = int(time.time())
         self.app = Starlette(
@@ -128,6 +142,8 @@ class OpenAIServer:
         try:
             body = decode(await self._body(http), kind)
             prepared = prepare(body, self.codec, self.limits)
+            if prepared.request.controls is not None:
+                await asyncio.get_running_loop().run_in_executor(None, check_controls, self.controls, prepared)
             queue = self._submit(prepared)
         except ApiError as exc:
             return _error(exc)
@@ -142,16 +158,17 @@ class OpenAIServer:
             await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
             if not collect.done():  # the client left before its answer: nobody to send it to
                 return Response(status_code=499)
-            text = collect.result()
+            text, entries = collect.result()
         except EngineStopped as exc:
             return _error(ApiError(str(exc), status=503, kind="server_error"))
         finally:
             collect.cancel()
             gone.cancel()
             self._abandon(completion)  # the client left, or the handler was cancelled (shutdown)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        logprobs = self._logprobs(entries, chat)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                    "finish_reason": completion.finish_reason} if chat else
-                  {"index": 0, "text": text, "logprobs": None, "finish_reason": completion.finish_reason})
+                  {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason})
         return _json({**self._head(prepared, chat, chunk=False), "choices": [choice], "usage": completion.usage})
 
     async def _body(self, http: HttpRequest) -> bytes:
@@ -177,10 +194,16 @@ class OpenAIServer:
         except EngineStopped as exc:
             raise ApiError(str(exc), status=503, kind="server_error") from None
 
-    async def _generate(self, prepared: Prepared, queue, completion: Completion) -> AsyncIterator[str]:
+    async def _generate(self, prepared: Prepared, queue, completion: Completion) -> AsyncIterator[Piece]:
         """The completion's text pieces; sets `completion`'s finish reason and token count
         before the last piece."""
         text = TextStream(self.codec, prepared.request.stop)
+        controls = prepared.request.controls
+        cursor = LogprobCursor(text) if controls is not None and controls.logprobs is not None else None
+
+        def piece(part: str, last: bool) -> Piece:
+            return Piece(part, None if cursor is None else cursor.take(part, last))
+
         while True:
             event = await queue.get()
             if isinstance(event, BaseException):
@@ -189,16 +212,23 @@ class OpenAIServer:
                 last = text.finish()
                 reason = "stop" if text.stopped else event.finish_reason
             else:
-                last = text.push(event)
+                if cursor is not None:
+                    cursor.add(event.logprobs)
+                last = text.push(event.tokens)
                 if not text.stopped:
                     if last:
-                        yield last
+                        yield piece(last, False)
                     continue
                 self.worker.abort(prepared.request.id)  # the tokens still in flight are not wanted
                 reason = "stop"
             completion.finish_reason, completion.completion_tokens = reason, len(text.tokens)
-            yield last
+            yield piece(last, True)
             return
+
+    def _logprobs(self, entries: Optional[list[TokenEntry]], chat: bool) -> Optional[dict]:
+        if entries is None:
+            return None
+        return (chat_logprobs if chat else completion_logprobs)(entries, self.token_strings)
 
     def _abandon(self, completion: Completion) -> None:
         """The answer ends here: a request that has not finished (the client left, or the
@@ -206,19 +236,20 @@ class OpenAIServer:
         if completion.finish_reason is None:
             self.worker.abort(completion.prepared.request.id)
 
-    async def _events(self, pieces: AsyncIterator[str], completion: Completion, chat: bool) -> AsyncIterator[bytes]:
+    async def _events(self, pieces: AsyncIterator[Piece], completion: Completion, chat: bool) -> AsyncIterator[bytes]:
         """Server-sent events: a chunk per text piece, exactly one chunk with the finish reason,
         the usage chunk when asked for, then `[DONE]`."""
         prepared = completion.prepared
         head = self._head(prepared, chat, chunk=True)
         extra = {"usage": None} if prepared.include_usage else {}
 
-        def event(piece: str, finish: Optional[str]) -> bytes:
+        def event(piece: Piece, finish: Optional[str]) -> bytes:
+            logprobs = self._logprobs(piece.logprobs, chat)
             if chat:
-                delta = {"content": piece} if piece else {}
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                delta = {"content": piece.text} if piece.text else {}
+                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "text": piece.text, "logprobs": logprobs, "finish_reason": finish}
             return b"data: " + _encode({**head, "choices": [choice], **extra}) + b"\n\n"
 
         try:
@@ -244,8 +275,11 @@ class OpenAIServer:
                 "created": prepared.created, "model": self.options.model_name}
 
 
-async def _join(pieces: AsyncIterator[str]) -> str:
-    return "".join([piece async for piece in pieces])
+async def _join(pieces: AsyncIterator[Piece]) -> tuple[str, Optional[list[TokenEntry]]]:
+    """The whole text, and every token's logprobs (None unless asked)."""
+    got = [piece async for piece in pieces]
+    entries = None if got[-1].logprobs is None else [e for piece in got for e in piece.logprobs]
+    return "".join(piece.text for piece in got), entries
 
 
 async def _disconnected(http: HttpRequest) -> None:

@@ -10,11 +10,12 @@ the same pair can later become the two ends of a pipe to an engine in its own pr
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, NamedTuple, Protocol, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Optional, Protocol, Sequence
 
 from graphrelay.capture.serving.workloads import Request
 
 if TYPE_CHECKING:
+    from graphrelay.capture.iteration.controls.logprobs import TokenLogprobs
     from graphrelay.capture.serving.loop import RequestOutput
 
 
@@ -84,8 +85,9 @@ class Inbox:
 class Sink(Protocol):
     """Receives a loop's results, on the loop's thread: keep each call short."""
 
-    def on_tokens(self, request_id: str, tokens: list[int]) -> None:
-        """New tokens of a running request, in order; called before its `on_finish`."""
+    def on_tokens(self, request_id: str, tokens: list[int], logprobs: Optional[list["TokenLogprobs"]] = None) -> None:
+        """New tokens of a running request, in order; called before its `on_finish`.
+        `logprobs`: one per token when the request asked for them (else None)."""
 
     def on_finish(self, output: "RequestOutput") -> None:
         """The request is done (stop, length or abort); no call for it follows."""
@@ -97,8 +99,8 @@ class CollectingSink:
     def __init__(self) -> None:
         self.outputs: dict[str, "RequestOutput"] = {}
 
-    def on_tokens(self, request_id: str, tokens: list[int]) -> None:
-        pass  # the output carries every token
+    def on_tokens(self, request_id: str, tokens: list[int], logprobs=None) -> None:
+        pass  # the output carries every token and its logprobs
 
     def on_finish(self, output: "RequestOutput") -> None:
         self.outputs[output.id] = output

@@ -294,7 +294,8 @@ class _Run:
                 finished.append(output)
         # Tokens first, then the finishes: a request's last tokens reach the sink before its end.
         for live in touched.values():
-            self.sink.on_tokens(live.request.id, live.tokens[live.sent:])
+            # live.logprobs stays empty unless the request asked: then None is passed.
+            self.sink.on_tokens(live.request.id, live.tokens[live.sent:], live.logprobs[live.sent:] or None)
             live.sent = len(live.tokens)
         for output in finished:
             self.sink.on_finish(output)

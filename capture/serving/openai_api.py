@@ -3,9 +3,13 @@
 Requests are decoded by msgspec straight into typed structs (a wrong type is an error naming
 the field), then checked against the model (context length, vocabulary) and turned into the
 loop's `Request`: everything a bad request can get wrong is found here, before anything is
-queued. Parameters a client may send that graphrelay does not implement yet are refused when
-they would change the result, never silently ignored; unknown fields are ignored, as OpenAI's
-own server does for forward compatibility. Responses are plain dicts encoded by msgspec.
+queued. The sampling controls (penalties, logit_bias, min_tokens, logprobs, response_format
+and vLLM's structured outputs) map onto `ControlParams` by the same names and code as a
+`serve --requests` line (`request_controls`); their engine limits and grammar compilation
+are checked by `check_controls`, off the event loop. Parameters a client may send that
+graphrelay does not implement yet are refused when they would change the result, never
+silently ignored; unknown fields are ignored, as OpenAI's own server does for forward
+compatibility. Responses are plain dicts encoded by msgspec.
 """
 
 from __future__ import annotations
@@ -18,19 +22,19 @@ from typing import Any, Optional, Union
 
 import msgspec
 
+from graphrelay.capture.iteration.controls.params import ControlParams
+from graphrelay.capture.iteration.controls.state import SamplingControls
 from graphrelay.capture.iteration.sampling import SamplingParams
 from graphrelay.capture.model.text import TextCodec
+from graphrelay.capture.serving.request_controls import CONTROL_NAMES, ControlNameError, control_params, request_name
 from graphrelay.capture.serving.workloads import Request
 
 MAX_STOP_STRINGS = 16  # each is matched on every piece of text: bound the host's work
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+# The serve flags that set the engine's static control limits, named in place of the config.
+SERVE_FLAGS = {"ControlsConfig.max_bias": "--max-logit-bias", "ControlsConfig.grammar_states": "--grammar-states"}
 # Set to anything but these, a parameter would change the output in a way not implemented.
-_UNSUPPORTED = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
-    "best_of": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1), "logit_bias": (None, {}), "min_tokens": (None, 0),
-    "response_format": (None, {"type": "text"}), "tools": (None, []), "guided_regex": (None,),
-}
+_UNSUPPORTED = {"echo": (None, False), "suffix": (None, ""), "best_of": (None, 1), "tools": (None, [])}
 
 
 class ApiError(Exception):
@@ -64,24 +68,26 @@ class _Sampling(msgspec.Struct, kw_only=True):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
+    # Sampling controls (request_controls maps them; the shapes of the last four are checked there).
+    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None  # vLLM's
+    min_tokens: Optional[int] = None  # vLLM's
+    logit_bias: Optional[dict[str, float]] = None  # token id -> bias
+    response_format: Any = None
+    structured_outputs: Any = None  # vLLM's, and its older guided_regex / guided_json
+    guided_regex: Optional[str] = None
+    guided_json: Any = None
     # Not implemented (see _UNSUPPORTED): accepted only at their neutral values.
-    logprobs: Any = None
-    top_logprobs: Any = None
     echo: Any = None
     suffix: Any = None
     best_of: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
-    logit_bias: Any = None
-    min_tokens: Any = None
-    response_format: Any = None
     tools: Any = None
-    guided_regex: Any = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: Union[str, list[int]]
+    logprobs: Optional[int] = None  # the sampled token's logprob and the top n
 
 
 class ContentPart(msgspec.Struct):
@@ -97,6 +103,8 @@ class ChatMessage(msgspec.Struct):
 class ChatRequest(_Sampling, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None  # with logprobs: true
 
 
 class Prepared(msgspec.Struct):
@@ -106,6 +114,7 @@ class Prepared(msgspec.Struct):
     stream: bool
     include_usage: bool
     created: int  # unix seconds, as OpenAI stamps responses
+    control_names: tuple[str, ...] = ()  # the control parameters the request gave, for errors
 
 
 def decode(body: bytes, kind: type) -> Any:
@@ -135,6 +144,7 @@ class Limits(msgspec.Struct, frozen=True):
     max_seq_len: int
     vocab_size: int
     max_top_k: Optional[int] = None  # the engine's static top-k width (None: any)
+    controls: bool = False  # the engine was built with sampling controls
 
 
 def prepare_completion(body: CompletionRequest, codec: TextCodec, limits: Limits) -> Prepared:
@@ -209,10 +219,41 @@ def _prepare(body: _Sampling, prompt: list[int], max_tokens: Optional[int], defa
         )
     except ValueError as exc:
         raise ApiError(str(exc).replace("SamplingParams.", ""), param=str(exc).split(".")[1].split(" ")[0]) from None
+    given = {name: getattr(body, name) for name in CONTROL_NAMES if getattr(body, name, None) is not None}
+    try:
+        controls = control_params(given)
+    except ControlNameError as exc:
+        raise ApiError(str(exc), param=exc.param) from None
+    if controls is not None and not limits.controls:
+        name = request_name(_changed_fields(controls)[0], given)
+        raise ApiError(f"{name} needs the engine's sampling controls, and this server was started without them "
+                       f"(serve --no-controls); leave {name} out or restart the server without --no-controls",
+                       param=name, code="controls_disabled")
     request = Request(id=uuid.uuid4().hex, prompt=prompt, max_new_tokens=max_tokens, stop_tokens=codec.stop_tokens,
-                      sampling=sampling, stop=stop)
+                      sampling=sampling, stop=stop, controls=controls)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    return Prepared(request, body.stream, include_usage, int(time.time()))
+    return Prepared(request, body.stream, include_usage, int(time.time()), tuple(given))
+
+
+def check_controls(controls: SamplingControls, prepared: Prepared) -> None:
+    """The engine's limits on the request's controls (logit_bias entries, the grammar pool)
+    and its grammar's compilation, which can take seconds: run it off the event loop."""
+    params = prepared.request.controls
+    try:
+        controls.check(params, prepared.request.stop_tokens)
+    except ValueError as exc:
+        # The engine's messages begin with the field they are about; any other is the grammar's.
+        field = re.match(r"\w+", str(exc)).group()
+        name = request_name(field if field in ControlParams.__struct_fields__ else "json_schema", prepared.control_names)
+        message = str(exc)
+        for config, flag in SERVE_FLAGS.items():
+            message = message.replace(config, flag)
+        raise ApiError(f"{name}: {message}", param=name) from None
+
+
+def _changed_fields(params: ControlParams) -> list[str]:
+    neutral = ControlParams()
+    return [f for f in ControlParams.__struct_fields__ if getattr(params, f) != getattr(neutral, f)]
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
