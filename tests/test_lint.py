@@ -361,20 +361,24 @@ def test_cli_steps_that_run_no_ops_exit_2(capsys):
 
 
 def test_cli_hanging_steps_time_out(capsys):
+    """The hanging steps are cut at their 4 s; the normal target after them gets the default
+    timeout (the short one also covers a worker's start-up, the torch import, which a busy
+    machine can stretch past 4 s). The time bound only proves the hangs were cut: the steps
+    would sleep an hour or spin forever."""
     start = time.monotonic()
-    status = lint_main(["--timeout", "4", f"{BROKEN}:sleeps", f"{BROKEN}:spins", f"{BAD}:item_sync"])
-    assert status == 2
-    assert time.monotonic() - start < 30
-    out, err = capsys.readouterr()
-    assert "item_sync: 1 capture hazard" in out
+    assert lint_main(["--timeout", "4", f"{BROKEN}:sleeps", f"{BROKEN}:spins"]) == 2
+    assert time.monotonic() - start < 1800
+    err = capsys.readouterr().err
     for target in ("sleeps", "spins"):
         assert could_not_lint(err, target).startswith("timed out after 4 s")
+    assert lint_main([f"{BAD}:item_sync"]) == 1
+    assert "item_sync: 1 capture hazard" in capsys.readouterr().out
 
 
 def test_graphrelay_lint_command_in_a_subprocess():
     target = os.path.join("tests", "lint_examples", "bad_steps.py") + ":bool_mask_index"
     result = subprocess.run(
-        [sys.executable, "-m", "graphrelay.tools.cli", "lint", target], cwd=REPO, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "graphrelay.tools.cli", "lint", target], cwd=REPO, capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 1, result.stderr
     line = marked_line(bad_steps.bool_mask_index)

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from graphrelay.capture.model.checkpoint import ModelFileError, read_gguf, resolve_gguf_path
+from graphrelay.capture.model.model_source import load_model
 from graphrelay.capture.iteration.engine import Engine, EngineConfig
 from graphrelay.capture.serving.loop import ServingLoop
-from graphrelay.capture.model.text import TextCodec
 from graphrelay.capture.serving.workloads import Request
 from graphrelay.tools.cli import main
 
@@ -34,8 +34,8 @@ def gguf_path():
 
 @pytest.fixture(scope="session")
 def ours(gguf_path):
-    config, weights = read_gguf(gguf_path, max_seq_len=256, dtype="float32")
-    return config, weights, TextCodec(gguf_path)
+    loaded = load_model("smollm2-135m", gguf=str(gguf_path), max_seq_len=256)  # read once per session (conftest)
+    return loaded.config, loaded.weights, loaded.codec
 
 
 @pytest.fixture(scope="session")
