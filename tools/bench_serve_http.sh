@@ -1,17 +1,43 @@
 #!/usr/bin/env bash
-# The HTTP half of `bench serve`: start `graphrelay serve --port` on the benchmark's engine size,
-# wait for /health, drive it with `bench serve --url` (same workload, same --out, so the report
-# compares it with the in-process run), then stop the server with SIGTERM.
+# A real `graphrelay serve --port` under a client, stopped with SIGTERM at the end (it must exit 0).
 #   tools/bench_serve_http.sh PYTHON OUT_DIR RATES
+#     The HTTP half of `bench serve`: the server on the benchmark's engine size, driven by
+#     `bench serve --url` (same workload, same --out, so the report compares it with the
+#     in-process run).
+#   tools/bench_serve_http.sh --soak PYTHON OUT_DIR [BENCH SOAK ARGS...]
+#     Issue 20's soak (`bench soak`: 512 streaming clients, 10% leaving mid-stream, 3 rounds) on
+#     the server's default model and engine sizes: the clients queue beyond its slots.
 set -uo pipefail
-py=$1; out=$2; rates=$3; port=${GRAPHRELAY_BENCH_PORT:-8321}
-"$py" -m graphrelay.tools.cli serve --port "$port" --max-reqs 256 --max-batch 256 --max-seq-len 1024 --quiet \
-    > "$out/http_server.log" 2>&1 &
+soak=0
+if [ "${1:-}" = "--soak" ]; then soak=1; shift; fi
+py=$1; out=$2; shift 2; port=${GRAPHRELAY_BENCH_PORT:-8321}
+if [ $soak = 1 ]; then
+    server_args=(); log=$out/soak_server.log
+else
+    rates=$1; shift
+    server_args=(--max-reqs 256 --max-batch 256 --max-seq-len 1024); log=$out/http_server.log
+fi
+mkdir -p "$out"
+"$py" -m graphrelay.tools.cli serve --port "$port" "${server_args[@]}" --quiet > "$log" 2>&1 &
 server=$!
-trap 'kill -TERM $server 2>/dev/null; wait $server' EXIT
+trap 'kill -TERM $server 2>/dev/null; wait $server' EXIT  # an early exit leaves no server behind
 for _ in $(seq 1 180); do
     "$py" -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$port/health').status_code != 200)" 2>/dev/null && break
-    kill -0 $server 2>/dev/null || { echo "the server exited; see $out/http_server.log"; tail -5 "$out/http_server.log"; exit 1; }
+    kill -0 $server 2>/dev/null || { echo "the server exited; see $log"; tail -5 "$log"; exit 1; }
     sleep 1
 done
-"$py" -m graphrelay.tools.cli bench serve --url "http://127.0.0.1:$port" --rates "$rates" --out "$out"
+if [ $soak = 1 ]; then
+    "$py" -m graphrelay.tools.cli bench soak --url "http://127.0.0.1:$port" --out "$out" "$@"
+else
+    "$py" -m graphrelay.tools.cli bench serve --url "http://127.0.0.1:$port" --rates "$rates" --out "$out"
+fi
+rc=$?
+trap - EXIT
+kill -TERM $server
+wait $server
+server_rc=$?
+if [ $server_rc -ne 0 ]; then
+    echo "the server exited with status $server_rc after SIGTERM, not 0; see $log"; tail -5 "$log"
+    rc=1
+fi
+exit $rc

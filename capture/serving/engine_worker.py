@@ -16,6 +16,7 @@ server answers 429, so a burst never grows memory without bound.
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import threading
 import traceback
@@ -36,6 +37,15 @@ class NewTokens(NamedTuple):
 
 # What a request's queue receives: new tokens, its end, or the engine's failure.
 Event = Union[NewTokens, RequestOutput, BaseException]
+
+
+def resident_bytes() -> Optional[int]:
+    """This process's resident set size from /proc/self/statm (Linux); None elsewhere."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class Overloaded(Exception):
@@ -91,9 +101,12 @@ class EngineWorker:
         await asyncio.to_thread(self._thread.join)
 
     def health(self) -> dict:
+        """The loop's slots are the relay's rows and the KV cache's ranges both (the block table
+        maps each slot to its own range): `free_slots == slots` means neither leaked.
+        `rss_bytes`: this process's resident memory, for soak runs to watch."""
         return {"engine": "failed" if self.failure else ("running" if self._thread.is_alive() else "stopped"),
                 "outstanding": self._outstanding, "capacity": self.capacity, "finished": dict(self._finished),
-                **self.serving.occupancy()}
+                **self.serving.occupancy(), "rss_bytes": resident_bytes()}
 
     def _deliver(self) -> None:
         with self._lock:

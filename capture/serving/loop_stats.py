@@ -7,6 +7,11 @@ right after its launch. The iteration's GPU time is launch -> end; the GPU sat i
 iteration's `end` to the next turn's `turn` mark, when nothing was queued. Sets are read back
 with their iteration, so timing never adds a wait of its own.
 
+Bounded memory: the HTTP server runs one `serve` for its whole life, so per-iteration figures
+are kept as running sums plus a fixed-size sample (`Samples`) for the medians and p99, never as
+a list per iteration. A run of up to `SAMPLE_CAP` iterations (every benchmark's) keeps every
+value, so its percentiles are exact; past that, a uniform reservoir sample of the same size.
+
 Honest about who sets the pace: the host time from `launch` to `end` is measured too. When an
 iteration's GPU time is no longer than the host time spent launching it, the GPU was waiting
 for the host inside that iteration (eager kernels launched one by one from Python), which idle
@@ -15,7 +20,9 @@ time between iterations cannot show: `launch_bound_fraction` counts those iterat
 
 from __future__ import annotations
 
+import random
 import time
+from array import array
 from typing import Callable, Optional
 
 import msgspec
@@ -25,6 +32,40 @@ from graphrelay.runtime import Event, Stream
 _SETS = 8  # timing-event sets: more than the iterations ever in flight at once
 _TURN, _LAUNCH, _END = 0, 1, 2
 _PROGRESS_EVERY_S = 0.5
+SAMPLE_CAP = 1 << 16  # values kept per figure: 512 KiB of doubles, exact for runs up to this many
+
+
+class Samples:
+    """Count, sum and a bounded sample of a stream of values: exact while at most `cap`
+    have been added, then a uniform reservoir sample (Algorithm R, seeded: reproducible)."""
+
+    __slots__ = ("cap", "count", "total", "kept", "_rng")
+
+    def __init__(self, cap: Optional[int] = None):
+        self.cap = SAMPLE_CAP if cap is None else cap
+        self.count = 0
+        self.total = 0.0
+        self.kept = array("d")  # 8 bytes a value, not a Python float object's 32
+        self._rng = random.Random(0)
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        self.total += value
+        if len(self.kept) < self.cap:
+            self.kept.append(value)
+            return
+        replace = self._rng.randrange(self.count)
+        if replace < self.cap:
+            self.kept[replace] = value
+
+    def mean(self) -> float:
+        return self.total / self.count if self.count else 0.0
+
+    def quantile(self, q: float) -> float:
+        """The value at rank int(q * n) of the sorted sample (q = 0.5: the upper median), as
+        the summaries have always read it; 0 when empty."""
+        ordered = sorted(self.kept)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
 class LoopStats(msgspec.Struct):
@@ -63,14 +104,16 @@ class IterationClock:
         self.on_gpu = stream.on_gpu
         if self.on_gpu:
             self._sets = [[Event(timing=True, device=stream.device) for _ in range(3)] for _ in range(_SETS)]
-        self._launch_times: list[float] = []
-        self._busy_ms: list[float] = []  # turn mark -> end: prefills + the iteration
-        self._step_ms: list[float] = []  # launch -> end on the GPU: the iteration alone
+        self._launches_started = 0  # iterations whose launch began (the progress line's count)
+        self._last_launch_turn: Optional[float] = None  # the last launching turn's start
+        self._interval_s = Samples()  # launching turn start -> the next one
+        self._busy_ms, self._busy_count = 0.0, 0  # turn mark -> end: prefills + the iteration, summed
+        self._step_ms = Samples()  # launch -> end on the GPU: the iteration alone
         self._host_launch_s: dict[int, float] = {}  # iteration in flight -> host time to launch it
-        self._launch_s: list[float] = []  # host launch times of iterations read back
+        self._launch_s = Samples()  # host launch times of iterations read back
         self._launch_bound = 0  # iterations read back whose GPU time <= host launch time
-        self._gap_ms: list[float] = []
-        self._sched_s: list[float] = []
+        self._gap_ms = 0.0  # GPU idle between consecutive iterations, summed
+        self._sched_s = Samples()
         self._wait_s = 0.0
         self._waits = 0
         self._last_done: Optional[int] = None  # timing set of the last decode iteration read back
@@ -94,12 +137,15 @@ class IterationClock:
     def turn_end(self, launched: bool) -> None:
         # Only turns that launched count: the drain at the end schedules nothing.
         if launched:
-            self._sched_s.append(time.perf_counter() - self._turn_t - self._turn_wait)
+            self._sched_s.add(time.perf_counter() - self._turn_t - self._turn_wait)
 
     def launch_start(self) -> None:
         # An iteration's interval is measured turn start to turn start, like its CPU time and
         # its GPU busy time.
-        self._launch_times.append(self._turn_t)
+        if self._last_launch_turn is not None:
+            self._interval_s.add(self._turn_t - self._last_launch_turn)
+        self._last_launch_turn = self._turn_t
+        self._launches_started += 1
         self._launch_t = time.perf_counter()
         if self.on_gpu:
             self._mark(self._launches % _SETS, _LAUNCH)
@@ -130,18 +176,19 @@ class IterationClock:
         which = self._sets_of.pop(iteration, None)
         host_s = self._host_launch_s.pop(iteration, None)
         if host_s is not None:
-            self._launch_s.append(host_s)
+            self._launch_s.add(host_s)
         if which is None or not self.on_gpu:
             return
         marks = self._sets[which]
         marks[_END].synchronize()  # recorded just after the mirror's event, which fired: no real wait
         step_ms = marks[_LAUNCH].elapsed_ms(marks[_END])
-        self._step_ms.append(step_ms)
+        self._step_ms.add(step_ms)
         self._launch_bound += host_s is not None and step_ms <= host_s * 1e3
-        self._busy_ms.append(marks[_TURN].elapsed_ms(marks[_END]))
+        self._busy_ms += marks[_TURN].elapsed_ms(marks[_END])
+        self._busy_count += 1
         if self._last_done is not None and self._last_done == (which - 1) % _SETS:
             previous_end = self._sets[self._last_done][_END]
-            self._gap_ms.append(max(0.0, previous_end.elapsed_ms(marks[_TURN])))
+            self._gap_ms += max(0.0, previous_end.elapsed_ms(marks[_TURN]))
         self._last_done = which
 
     def finish(self) -> None:
@@ -151,42 +198,41 @@ class IterationClock:
         now = time.perf_counter()
         if now - self._last_progress >= _PROGRESS_EVERY_S:
             self._last_progress = now
-            progress({"iterations": len(self._launch_times), "running": running, "done": done, "pending": pending, "elapsed_s": now - self._t0})
+            progress({"iterations": self._launches_started, "running": running, "done": done, "pending": pending, "elapsed_s": now - self._t0})
 
     def stats(self, mode: str, graphs: bool, requests: int, tokens: int, syncs: int,
               tokens_per_request_step: float) -> LoopStats:
-        iters = max(1, len(self._launch_times))
-        gaps = [b - a for a, b in zip(self._launch_times, self._launch_times[1:])]
-        gaps_ms = sorted(g * 1e3 for g in gaps) or [0.0]
-        busy = sum(self._busy_ms)
-        step_us = sorted(ms * 1e3 for ms in self._step_ms)
+        iters = max(1, self._launches_started)
+        interval, sched, step, busy = self._interval_s, self._sched_s, self._step_ms, self._busy_ms
+        measured_gpu = self._busy_count > 0
         return LoopStats(
             mode=mode,
             device=str(self.stream.device),
             graphs=graphs,
             requests=requests,
             tokens=tokens,
-            iterations=len(self._launch_times),
+            iterations=self._launches_started,
             wall_s=self._wall,
             tokens_per_s=tokens / self._wall if self._wall > 0 else 0.0,
-            iter_ms_mean=sum(gaps_ms) / len(gaps_ms),
-            iter_ms_median=_median(gaps_ms),
-            iter_ms_p99=gaps_ms[min(len(gaps_ms) - 1, int(0.99 * len(gaps_ms)))],
-            cpu_sched_us_per_iter=sum(self._sched_s) / max(1, len(self._sched_s)) * 1e6,
-            cpu_sched_us_median=_median(self._sched_s) * 1e6,
-            gpu_step_us_per_iter=sum(step_us) / len(step_us) if step_us else None,
-            gpu_step_us_median=_median(step_us) if step_us else None,
-            gpu_busy_us_per_iter=busy / len(self._busy_ms) * 1e3 if self._busy_ms else None,
-            gpu_idle_fraction=(sum(self._gap_ms) / (sum(self._gap_ms) + busy)) if self._busy_ms else None,
-            host_launch_us_median=_median(self._launch_s) * 1e6,
-            launch_bound_fraction=self._launch_bound / len(self._step_ms) if self._step_ms else None,
+            iter_ms_mean=interval.mean() * 1e3,
+            iter_ms_median=interval.quantile(0.5) * 1e3,
+            iter_ms_p99=interval.quantile(0.99) * 1e3,
+            cpu_sched_us_per_iter=sched.mean() * 1e6,
+            cpu_sched_us_median=sched.quantile(0.5) * 1e6,
+            gpu_step_us_per_iter=step.mean() * 1e3 if step.count else None,
+            gpu_step_us_median=step.quantile(0.5) * 1e3 if step.count else None,
+            gpu_busy_us_per_iter=busy / self._busy_count * 1e3 if measured_gpu else None,
+            gpu_idle_fraction=self._gap_ms / (self._gap_ms + busy) if measured_gpu else None,
+            host_launch_us_median=self._launch_s.quantile(0.5) * 1e6,
+            launch_bound_fraction=self._launch_bound / step.count if step.count else None,
             host_syncs=syncs,
             host_syncs_per_iter=syncs / iters,
             event_waits_per_iter=self._waits / iters,
             tokens_per_request_step=tokens_per_request_step,
         )
 
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2] if ordered else 0.0
+    def stored_values(self) -> int:
+        """Values held for the figures: bounded by a few `SAMPLE_CAP`s plus the iterations in
+        flight, however long the run (the server's memory must stay flat)."""
+        kept = sum(len(s.kept) for s in (self._interval_s, self._step_ms, self._launch_s, self._sched_s))
+        return kept + len(self._host_launch_s) + len(self._sets_of)

@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "e2e": ("graphrelay.tools.bench.e2e", "graphrelay against transformers generate (static and dynamic cache), end to end, same model and workload"),
     "iteration": ("graphrelay.tools.bench.iteration", "one unified iteration by shape (prompts, decodes, mixed) and the TTFT of one prompt on an idle engine"),
     "serve": ("graphrelay.tools.bench.serve", "online load: Poisson arrivals over a sweep of rates, in process or against an OpenAI-compatible --url: TTFT, TPOT, ITL, throughput"),
+    "soak": ("graphrelay.tools.bench.soak", "concurrent streaming clients against a --url server, some leaving mid-stream, over rounds: exact text, no leaked slots, flat memory"),
     "kernels": ("graphrelay.tools.bench.kernels", "each layer projection at 1..256 rows: the fused Triton kernels (with and without PDL) against cuBLAS"),
     "controls": ("graphrelay.tools.bench.controls", "the sampling controls' cost in the captured decode step at batch 64, per control, against none"),
     "spec": ("graphrelay.tools.bench.spec", "plain against n-gram speculative decoding on SmolLM2-135M: tokens/s, accepted length, identical outputs"),

@@ -224,19 +224,13 @@ def in_process_timing(request: Request, output: RequestOutput) -> Timing:
 def run_over_http(plan: Plan, command: list[str], out) -> int:
     """The same workload against `plan.url`. Checks (server reachable, model served, a
     tokenizer for text prompts) come before the first request is sent."""
-    from graphrelay.tools.bench.serve_http import run_http, served_models  # httpx: only this mode needs it
+    from graphrelay.tools.bench.serve_http import pick_model, run_http  # httpx: only this mode needs it
 
     codec = TextCodec(resolve_gguf_path(plan.gguf)) if uses_gguf(plan.model, plan.weights, plan.gguf) else None
     if plan.prompt_format == "text" and codec is None:
         raise options.UsageError(f"--prompt-format text needs a tokenizer, and {plan.model} with {plan.weights} weights "
                                  f"has none: use the real model (--model smollm2-135m) or --prompt-format ids")
-    models = served_models(plan.url)
-    if plan.served_model is not None and plan.served_model not in models:
-        raise options.UsageError(f"--served-model {plan.served_model!r} is not served at {plan.url} (it serves "
-                                 f"{models}); pick one of those")
-    if not models:
-        raise options.UsageError(f"{plan.url}/v1/models lists no model; is the server still loading?")
-    model = plan.served_model or models[0]
+    model = pick_model(plan.url, plan.served_model)
     requests = make_requests(plan.requests, plan.lengths, plan.seed, ModelConfig.preset(plan.model).vocab_size, codec)
     prompts = [codec.decode(r.prompt) if plan.prompt_format == "text" else r.prompt for r in requests]
     unit = unit_arrivals(len(requests), plan.seed)

@@ -5,13 +5,15 @@ with `stream: true` and `stream_options.include_usage`, and timestamps every ser
 event that carries text. The token count is the final usage chunk's `completion_tokens` (a
 chunk may carry several tokens); a server that sends no usage gets one token per text chunk.
 Connections are not pooled down: at rate inf every request is in flight at once.
+`async_client` and `stream_events` are the pieces `bench soak` drives its clients with too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from typing import Any, Optional, Union
+from typing import Any, AsyncIterator, Optional, Union
 
 import httpx
 import msgspec
@@ -39,6 +41,17 @@ def served_models(url: str) -> list[str]:
                          f"is this an OpenAI-compatible server?") from None
 
 
+def pick_model(url: str, asked: Optional[str]) -> str:
+    """The model to request: `asked` (--served-model) if the server serves it, else the first
+    it lists; a usage error otherwise."""
+    models = served_models(url)
+    if asked is not None and asked not in models:
+        raise UsageError(f"--served-model {asked!r} is not served at {url} (it serves {models}); pick one of those")
+    if not models:
+        raise UsageError(f"{url}/v1/models lists no model; is the server still loading?")
+    return asked or models[0]
+
+
 class HttpRun(msgspec.Struct):
     timings: list[Timing]
     duration_s: float  # the start to the last token
@@ -53,10 +66,33 @@ def run_http(url: str, model: str, requests: list[Request], prompts: list[Union[
     return HttpRun(timings, duration, time.process_time() - cpu)
 
 
-async def _send_all(url, model, requests, prompts, timeout_s) -> tuple[list[Timing], float]:
+def async_client(url: str, timeout_s: float) -> httpx.AsyncClient:
+    """A client with no connection limit, so every request is in flight at once if asked."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(timeout_s, connect=CONNECT_TIMEOUT_S)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
+    return httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(timeout_s, connect=CONNECT_TIMEOUT_S))
+
+
+async def stream_events(client: httpx.AsyncClient, body: dict) -> AsyncIterator[dict[str, Any]]:
+    """POST `body` to /v1/completions and yield each server-sent event's JSON payload as it
+    arrives, up to `[DONE]`. Raises `StreamFailed` for an answer that is not a stream, an
+    error event, or a stream that ends without `[DONE]`. Closing the generator early (use
+    `contextlib.aclosing`) closes the connection: the server sees the client go away."""
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            raise StreamFailed(f"HTTP {response.status_code}: {response.text[:200]}")
+        done = False  # read on to the end of the body, so the connection can be reused
+        async for line in response.aiter_lines():
+            if line.startswith("data:") and line[5:].strip() == "[DONE]":
+                done = True
+            elif (event := _event(line)) is not None:
+                yield event
+    if not done:
+        raise StreamFailed("the stream ended without data: [DONE]")
+
+
+async def _send_all(url, model, requests, prompts, timeout_s) -> tuple[list[Timing], float]:
+    async with async_client(url, timeout_s) as client:
         start = time.perf_counter()
         timings = await asyncio.gather(*(_one(client, model, r, p, start) for r, p in zip(requests, prompts)))
     ends = [t.token_times_s[-1] for t in timings if t.ok]
@@ -72,39 +108,31 @@ async def _one(client: httpx.AsyncClient, model: str, request: Request, prompt, 
     usage_tokens: Optional[int] = None
     error = None
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                await response.aread()
-                raise _Failed(f"HTTP {response.status_code}: {response.text[:200]}")
-            async for line in response.aiter_lines():
-                event = _event(line)
-                if event is None:
-                    continue
+        async with contextlib.aclosing(stream_events(client, body)) as events:
+            async for event in events:
                 if any(choice.get("text") for choice in event.get("choices") or ()):
                     times.append(time.perf_counter() - start)
                 if event.get("usage"):
                     usage_tokens = event["usage"].get("completion_tokens")
-    except (httpx.HTTPError, _Failed) as exc:
-        error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, _Failed) else str(exc)
+    except (httpx.HTTPError, StreamFailed) as exc:
+        error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, StreamFailed) else str(exc)
     output_tokens = usage_tokens if usage_tokens is not None else len(times)
     return Timing(request.id, len(request.prompt), request.max_new_tokens, output_tokens, sent, times, error)
 
 
-class _Failed(Exception):
-    """The server answered, but not with a stream."""
+class StreamFailed(Exception):
+    """The server answered, but not with a whole stream."""
 
 
 def _event(line: str) -> Optional[dict[str, Any]]:
-    """A server-sent event's JSON payload; None for blank lines, comments and `[DONE]`."""
+    """A server-sent event's JSON payload; None for blank lines and comments."""
     if not line.startswith("data:"):
         return None
     data = line[5:].strip()
-    if data == "[DONE]":
-        return None
     try:
         event = _decode.decode(data)
     except msgspec.DecodeError:
-        raise _Failed(f"a stream event is not JSON: {data[:200]!r}") from None
+        raise StreamFailed(f"a stream event is not JSON: {data[:200]!r}") from None
     if isinstance(event, dict) and "error" in event:
-        raise _Failed(f"the server sent an error event: {str(event['error'])[:200]}")
+        raise StreamFailed(f"the server sent an error event: {str(event['error'])[:200]}")
     return event if isinstance(event, dict) else None
