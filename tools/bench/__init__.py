@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "kernels": ("graphrelay.tools.bench.kernels", "each layer projection at 1..256 rows: the fused Triton kernels (with and without PDL) against cuBLAS"),
     "controls": ("graphrelay.tools.bench.controls", "the sampling controls' cost in the captured decode step at batch 64, per control, against none"),
     "spec": ("graphrelay.tools.bench.spec", "plain against n-gram speculative decoding on SmolLM2-135M: tokens/s, accepted length, identical outputs"),
+    "json": ("graphrelay.tools.bench.json_bench", "JSON-schema constrained decoding on SmolLM2-135M under overlap, n-gram speculation off and on: valid outputs, host syncs, tokens/s"),
 }
 
 
