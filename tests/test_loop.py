@@ -144,7 +144,8 @@ def test_the_loop_passes_on_warnings_it_does_not_count():
         ServingLoop(engine, "overlap").run(workload(num_requests=4, output_len=(3, 5)))
 
 
-@pytest.mark.parametrize("field, value", [("max_batch", 0), ("max_reqs", -1), ("max_tokens", 1.5), ("max_top_k", 0)])
+@pytest.mark.parametrize("field, value", [("max_batch", 0), ("max_reqs", -1), ("max_tokens", 1.5), ("max_top_k", 0),
+                                        ("max_top_k", True)])
 def test_engine_config_rejects_bad_sizes_by_name(field, value):
     with pytest.raises(ValueError, match=f"EngineConfig.{field} must be"):
         EngineConfig(MODEL, **{"max_reqs": 4, "max_batch": 2, field: value})
