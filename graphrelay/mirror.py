@@ -154,6 +154,15 @@ class HostMirror(Closeable, validation.Validating):
 
     # ---- device side ------------------------------------------------------------------------
 
+    @property
+    def device_ring(self) -> tuple[RingArrays, torch.Tensor]:
+        """(the ring's device views, the device iteration counter), for a kernel that fuses this
+        mirror's `write` into its own launch (the engine's iteration epilogue). Such a kernel
+        must write exactly what `write` writes: the rows, the row count and the stamp of ring
+        slot `counter % depth`, then advance the counter."""
+        self._require_open()
+        return self._device, self._counter
+
     def write(
         self,
         indices: torch.Tensor,

@@ -105,11 +105,10 @@ def static_addresses(stack: Stack) -> dict[str, int]:
     out = {f"inputs.{name}": t.data_ptr() for name, t in zip(stack.inputs.buffers._fields, stack.inputs.buffers)}
     out.update({f"relay.{name}": t.data_ptr() for name, t in stack.relay.buffers.items()})
     out["relay.generation"] = stack.relay.generation.data_ptr()
-    for name in stack.step.resolved.__struct_fields__:
-        t = getattr(stack.step.resolved, name)
+    for name, t in stack.step.prologue.buffers._asdict().items():
         if t is not None:
-            out[f"step.resolved.{name}"] = t.data_ptr()
-    for name in ("logits", "target", "seq_lens", "base"):
+            out[f"step.prologue.{name}"] = t.data_ptr()
+    for name in ("logits", "target"):
         out[f"step.{name}"] = getattr(stack.step, name).data_ptr()
     cache = stack.model.kv_cache
     for layer, (k, v) in enumerate(zip(cache.keys, cache.values)):
@@ -264,11 +263,9 @@ def step_state(stack: Stack, bs: int) -> dict[str, torch.Tensor]:
     for layer, (k, v) in enumerate(zip(cache.keys, cache.values)):
         state[f"kv.keys[{layer}][slot]"] = k[1:].clone()
         state[f"kv.values[{layer}][slot]"] = v[1:].clone()
-    resolved = stack.step.resolved.narrow(stack.inputs.geometry(bs).spans)
-    for name in resolved.__struct_fields__:
-        t = getattr(resolved, name)
-        if t is not None:
-            state[f"step.resolved.{name}[row]"] = t.clone()
+    placed = stack.step.prologue.buffers.narrow(stack.inputs.geometry(bs))
+    for name in ("seq_lens", "base", "positions", "slots", "row_positions"):
+        state[f"step.prologue.{name}[row]"] = getattr(placed, name).clone()
     rows = stack.inputs.geometry(bs).rows
     for name in ("logits", "target"):
         state[f"step.{name}[row]"] = getattr(stack.step, name)[:rows].clone()

@@ -1,12 +1,14 @@
 """The unified iteration, captured whole, one graph per token bucket:
 
-    relay resolve (decode spans' input token and position)
-        -> positions and slots of every token; decode ids into the flat batch
-        -> [speculation: token history, n-gram drafts into the verify spans]
-        -> model forward over all T tokens (prefill chunks, decode rows, verify spans)
+    prologue: relay resolve (decode spans' input token and position), positions and slots of
+        every token, decode ids into the flat batch, the embedding rows (one launch on CUDA:
+        `capture.kernels.iteration_prologue`)
+        -> [speculation: token history, n-gram drafts into the verify spans, then the embedding]
+        -> model layers over all T tokens (prefill chunks, decode rows, verify spans)
         -> LM head only at the sampled rows -> sampling
         -> [speculation: accept the leading drafts the target agrees with]
-        -> relay stash + publish (one launch) -> host-mirror write
+        -> relay stash + publish -> host-mirror write (one launch on CUDA for a plain step:
+        `capture.kernels.iteration_epilogue`; two, plus their glue, otherwise)
 
 One route for every token: a prompt's first sampled token goes through the relay and the
 mirror exactly like a decode token. Every buffer is allocated here or by the parts before
@@ -31,6 +33,8 @@ from graphrelay.capture.iteration.inputs import IterationInputs
 from graphrelay.capture.iteration.ngram import Drafts, SpecConfig, TokenHistory, propose
 from graphrelay.capture.iteration.controls.state import SamplingControls
 from graphrelay.capture.iteration.sampling import sample
+from graphrelay.capture.kernels.iteration_epilogue import check_fusable, stash_publish_mirror
+from graphrelay.capture.kernels.iteration_prologue import IterationPrologue
 from graphrelay.capture.model.model import LlamaModel
 from graphrelay import Relay, RelayPayload
 from graphrelay.mirror import HostMirror
@@ -43,11 +47,16 @@ class IterationStep:
     The relay and the mirror must be built with `validate=False`: their host-side checks read
     values (a sync) and the step runs under sync-debug "error" during warm-up. Slots are
     validated where the scheduler assigns them.
+
+    backend: "triton" fuses the prologue, and for a step without speculation or controls the
+    epilogue, into one kernel each; "torch" runs the glue (the reference). None: Triton on
+    CUDA unless the relay is in debug mode.
     """
 
     def __init__(self, relay: Relay, model: LlamaModel, mirror: HostMirror, inputs: IterationInputs, *,
                  spec: Optional[SpecConfig] = None, history: Optional[TokenHistory] = None,
-                 max_top_k: Optional[int] = None, controls: Optional[SamplingControls] = None):
+                 max_top_k: Optional[int] = None, controls: Optional[SamplingControls] = None,
+                 backend: Optional[str] = None):
         cfg = relay.config
         per = spec.rows if spec else 1
         top = inputs.geometry(inputs.max_tokens)
@@ -68,10 +77,12 @@ class IterationStep:
         # Eager runs only: a host-known bound on every position + 1 this iteration (the engine
         # sets it before an eager step; None under capture, which runs at full shape).
         self.key_bound: Optional[int] = None
-        self.resolved = relay.alloc_resolved(spans, dtypes={"tokens": torch.int64})
-        # [R + 1]: the padding span's entry is never written by resolve; span_decode is 0 there.
-        self.seq_lens = torch.zeros(spans, dtype=torch.int64, device=device)
-        self.base = torch.zeros(spans, dtype=torch.int64, device=device)
+        # Speculation writes the drafts into the ids after the prologue: the model embeds them.
+        self.prologue = IterationPrologue(relay, model.embed, model.config.max_seq_len, top, embeds=spec is None,
+                                          backend=backend)
+        self.fused_epilogue = self.prologue.backend == "triton" and spec is None and controls is None
+        if self.fused_epilogue:
+            check_fusable(relay, mirror)
         self.logits = torch.zeros((rows, model.config.vocab_size), dtype=torch.float32, device=device)
         self.target = torch.zeros(rows, dtype=torch.int64, device=device)
         self.columns = torch.arange(per, device=device)  # [k + 1]
@@ -83,47 +94,39 @@ class IterationStep:
 
     def __call__(self, tokens: int) -> None:
         g = self.inputs.geometry(tokens)
-        R, per, max_seq_len = g.spans, self.per, self.model.config.max_seq_len
+        R, per = g.spans, self.per
         v = self.inputs.narrow(tokens)
         live_slots = v.span_slot[:R]
-        decode = v.span_decode.bool()  # [R + 1]
-        # Only decode spans read the relay: a prompt chunk's slot holds nothing yet.
-        resolved = self.relay.resolve(torch.where(decode[:R], live_slots, 0), out=self.resolved.narrow(R),
-                                      fields=("tokens", "seq_lens"))
-        self.seq_lens[:R].copy_(resolved.seq_lens)
-        base = torch.where(decode, self.seq_lens[: R + 1], v.span_base, out=self.base[: R + 1])
-        # Each token's position and slot from its span; a position past the cache (a verify
-        # row near the end, always rejected) is clamped and moved to the padding slot.
-        positions = base.index_select(0, v.token_span) + v.token_offset  # [T]
-        inside = positions < max_seq_len
-        slots = torch.where(inside, v.span_slot.index_select(0, v.token_span), 0)
-        positions = positions.clamp(max=max_seq_len - 1)
-        # Decode spans' input tokens from the relay; other spans scatter into the scratch entry.
-        ids = v.ids
-        ids.index_copy_(0, torch.where(decode[:R], v.span_q_start[:R], self.scratch), resolved.tokens)
+        placed = self.prologue(v, g)
+        slots, positions, base, row_positions = placed.slots, placed.positions, placed.base, placed.row_positions
         drafts = None
         if self.spec is not None:
             drafts = self._draft(v, R, slots, positions, base)
-        hidden = self.model.forward(ids[:tokens], slots, positions, v.q_block_start, v.q_block_len, g.q_block,
-                                    key_bound=self.key_bound)
-        row_positions = positions.index_select(0, v.row_token)  # [S]: each row's sampling step
+        hidden = self.model.forward(v.ids[:tokens], slots, positions, v.q_block_start, v.q_block_len, g.q_block,
+                                    key_bound=self.key_bound, embedded=placed.embedded)
         logits = self.model.logits(hidden.index_select(0, v.row_token), out=self.logits[: g.rows])
 
         def per_row(t: torch.Tensor) -> torch.Tensor:  # [R] -> [S], request-major
             return t[:R, None].expand(R, per).reshape(-1)
 
         first = row_positions.view(R, per)[:, 0]  # position of the token row 0 samples after
-        reported = torch.where(v.span_samples[:R].bool(), live_slots, 0)
-        raw_logits, row_slots = logits, per_row(reported)
+        # The fused epilogue finds each row's reported slot itself.
+        reported = None if self.fused_epilogue else torch.where(v.span_samples[:R].bool(), live_slots, 0)
+        raw_logits = logits
         if self.controls is not None:
             # Penalties, bias, min_tokens and the grammar mask; a verify row j is controlled as
             # if drafts 0..j-1 were emitted (their counts, the automaton state after them).
+            row_slots = per_row(reported)
             spans = () if self.spec is None else self.controls.span_rows(reported, drafts.tokens)
             logits, row_states = self.controls.before_sample(logits, row_slots, row_positions, *spans)
         # The draw at a row uses its token's position as the step: what plain decoding uses at
         # that position, in every mode and batch composition.
         target = sample(logits, per_row(v.temperature), per_row(v.top_k), per_row(v.seeds), row_positions,
                         out=self.target[: g.rows], max_top_k=self.max_top_k, top_p=per_row(v.top_p))
+        if self.fused_epilogue:
+            stash_publish_mirror(self.relay, self.mirror, v.span_slot, v.span_samples, v.row_live, target,
+                                 row_positions)
+            return
         if self.spec is None:
             accept_len = None
             tokens_out, next_token, counts = target, target, 1

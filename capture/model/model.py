@@ -314,7 +314,7 @@ class LlamaModel:
     def forward(
         self, ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
         q_block_start: torch.Tensor, q_block_len: torch.Tensor, q_block: int = Q_BLOCK,
-        key_bound: int | None = None,
+        key_bound: int | None = None, embedded: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One flat batch of T query tokens of any span kinds; returns the final-normed hidden
         states [T, hidden]. Capturable: fixed shape in T, nothing read on the host.
@@ -328,6 +328,8 @@ class LlamaModel:
         every real token's position + 1 (eager runs); the CPU's torch attention then gathers
         that many keys per token instead of max_seq_len. Masked keys weigh exactly 0, so it
         changes no bit of the result; the GPU kernel, captured at full shape, ignores it.
+        embedded: `embed[ids]` [T, hidden] gathered already (the engine's fused prologue); the
+        layers then update it in place as their residual stream.
         """
         c = self.shard
         max_len = key_bound if self.device.type == "cpu" else None
@@ -339,7 +341,7 @@ class LlamaModel:
                 max_len=max_len, out=torch.empty(q.shape[0], c.num_heads * c.head_dim, dtype=q.dtype, device=q.device),
             )
 
-        return self._forward(ids, slots, positions, attend)
+        return self._forward(ids, slots, positions, attend, embedded)
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """LM head over the rows that sample: [n, vocab] float32 (into `out` when given)."""
@@ -424,6 +426,7 @@ class LlamaModel:
         slots: torch.Tensor,
         positions: torch.Tensor,
         attend: Callable[[int, torch.Tensor], torch.Tensor],
+        embedded: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run all layers for n query rows; row i sits at `positions[i]` of slot `slots[i]`.
 
@@ -436,7 +439,8 @@ class LlamaModel:
         """
         c = self.shard
         ops = self.plan.ops(tokens.shape[0], c.rms_eps, self._all_reduce)
-        update, stream = None, self.embed.index_select(0, tokens)  # the residual stream [n, hidden]
+        # The residual stream [n, hidden], unless the caller gathered it (`forward`'s embedded).
+        update, stream = None, self.embed.index_select(0, tokens) if embedded is None else embedded
         for index, layer in enumerate(self.layers):
             rotary = gemv.Rotary(self.rope_cos, self.rope_sin, positions, slots, self.kv_cache.keys[index],
                                  self.kv_cache.values[index], c.num_heads, c.num_kv_heads)
