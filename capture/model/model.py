@@ -344,9 +344,11 @@ class LlamaModel:
         return self._forward(ids, slots, positions, attend, embedded)
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """LM head over the rows that sample: [n, vocab] float32 (into `out` when given)."""
-        logits = self._logits(hidden)
-        return logits if out is None else out.copy_(logits)
+        """LM head over the rows that sample: [n, vocab] float32 (into `out` when given: the
+        copy casts, one graph node fewer than casting first; widening to float32 is exact)."""
+        if out is None:
+            return self._logits(hidden)
+        return out.copy_(hidden @ self.lm_head.T)
 
     @torch.no_grad()
     def prefill(

@@ -19,11 +19,13 @@ masked until the output matches.
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
+from graphrelay.capture.iteration.controls.json_bounds import enforce_numeric_bounds
 from graphrelay.runtime import to_device_async
 
 
@@ -88,27 +90,31 @@ def made_up_token_strings(vocab_size: int, seed: int = 0) -> list[Optional[str]]
 
 
 class GrammarCompiler:
-    """Compiles (kind, source) to a `CompiledGrammar` over `vocab_size` tokens, cached by key."""
+    """Compiles (kind, source) to a `CompiledGrammar` over `vocab_size` tokens, keeping the
+    `cache_size` most recently used (a grammar's host tables are states x vocab x 5 bytes:
+    a long-lived server that sees many schemas must not keep them all)."""
 
-    def __init__(self, outlines_vocabulary, vocab_size: int):
-        self.vocabulary, self.vocab_size = outlines_vocabulary, vocab_size
-        self._cache: dict[tuple[str, str], CompiledGrammar] = {}
+    def __init__(self, outlines_vocabulary, vocab_size: int, cache_size: int = 16):
+        if not isinstance(cache_size, int) or cache_size < 1:
+            raise ValueError(f"GrammarCompiler cache_size must be a positive int, got {cache_size!r}")
+        self.vocabulary, self.vocab_size, self.cache_size = outlines_vocabulary, vocab_size, cache_size
+        self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
 
     def compile(self, kind: str, source: str) -> CompiledGrammar:
         key = (kind, source)
-        if key not in self._cache:
-            self._cache[key] = self._build(kind, source)
-        return self._cache[key]
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        grammar = self._cache[key] = self._build(kind, source)
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+        return grammar
 
     def _build(self, kind: str, source: str) -> CompiledGrammar:
         from outlines_core import Index
-        from outlines_core.json_schema import build_regex_from_schema
 
         if kind == "json_schema":
-            try:
-                regex = build_regex_from_schema(source)
-            except Exception as e:  # outlines-core raises its own types for unsupported schemas
-                raise ValueError(f"json_schema is not supported by outlines-core: {e}") from None
+            regex = enforce_numeric_bounds(source)  # outlines-core alone drops minimum / maximum
         elif kind == "regex":
             regex = source
         else:

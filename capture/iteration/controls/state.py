@@ -42,7 +42,7 @@ class ControlsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     max_bias: int = 32
     max_stop: int = 8
-    grammar_states: int = 1024
+    grammar_states: int = 2048  # json_object alone takes ~1,100 states of SmolLM2's vocabulary
     logprobs: bool = True
     backend: Optional[str] = None  # "torch" | "triton"; default triton on CUDA
 
