@@ -15,7 +15,10 @@ if [ $soak = 1 ]; then
     server_args=(); log=$out/soak_server.log
 else
     rates=$1; shift
-    server_args=(--max-reqs 256 --max-batch 256 --max-seq-len 1024); log=$out/http_server.log
+    # The in-process run's engine exactly, so the difference is the HTTP layer's: same sizes,
+    # and no sampling controls in the graph (the in-process workload uses none; `bench
+    # controls` measures what carrying them costs).
+    server_args=(--max-reqs 256 --max-batch 256 --max-seq-len 1024 --no-controls); log=$out/http_server.log
 fi
 mkdir -p "$out"
 "$py" -m graphrelay.tools.cli serve --port "$port" "${server_args[@]}" --quiet > "$log" 2>&1 &

