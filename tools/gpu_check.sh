@@ -62,6 +62,8 @@ step gpu-tests "$py" -m pytest -q -s -m gpu -p no:cacheprovider --junitxml="$out
 if [ -n "${GPU_CHECK_CPU:-}" ]; then
     step cpu-tests env CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 "$py" -m pytest -q -p no:cacheprovider -m "not gpu" ${GPU_CHECK_PYTEST_ARGS:-}
 fi
+# Issue 19's soak at full size: 100,000 iterations of slot churn against a no-overlap reference.
+step loop-soak env GRAPHRELAY_SOAK_ITERATIONS=${GPU_CHECK_SOAK_ITERATIONS:-100000} "$py" -m pytest -q -s -m gpu -p no:cacheprovider tests/test_loop_soak.py
 step serve "$py" -m graphrelay.tools.cli serve --json "$out/serve.json"
 step serve-spec "$py" -m graphrelay.tools.cli serve --spec ngram --spec-k 4 --json "$out/serve_spec.json"
 gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
