@@ -133,7 +133,7 @@ def test_logprobs_equal_log_softmax_topk():
     logits = torch.randn(3, VOCAB) * 2
     tokens = torch.tensor([4, 0, 69])
     slots = torch.tensor([1, 0, 2])
-    c.write_logprobs(slots, logits, tokens)
+    c.write_logprobs(slots, logits, tokens, torch.zeros(1, dtype=torch.int64))  # mirror iteration 0
     from graphrelay.mirror import MirrorRead
 
     read = MirrorRead(iteration=0, slots=torch.tensor([1, 2]), generation=torch.zeros(2, dtype=torch.int64),

@@ -122,3 +122,26 @@ def test_oversized_batch_raises_when_strict():
 def test_runner_rejects_bad_buckets():
     with pytest.raises(ValueError, match="max_tokens"):
         GraphRunner(RecordingStep(), [1, 16], 8, "cpu")
+
+
+class VariantStep:
+    """A step taking a variant, remembering (size, variant) per call."""
+
+    def __init__(self):
+        self.calls: list[tuple[int, str]] = []
+
+    def __call__(self, bs: int, variant: str) -> None:
+        self.calls.append((bs, variant))
+
+
+def test_named_variants_run_the_one_asked_for_and_default_to_the_last():
+    """A runner over named variants hands the step the variant of each run (the last when none
+    is named) and refuses one it did not capture, before the step runs. If this failed, the
+    engine's choice of a plain or controlled iteration would not reach the step."""
+    step = VariantStep()
+    runner = GraphRunner(step, [1, 4], 4, "cpu", variants=("plain", "controls"))
+    runner.capture()
+    assert runner.run(3, "plain") == 4 and runner.run(1, "controls") == 1 and runner.run(2) == 4
+    with pytest.raises(ValueError, match="'spec' is not one of the captured"):
+        runner.run(1, "spec")
+    assert step.calls == [(4, "plain"), (1, "controls"), (4, "controls")]

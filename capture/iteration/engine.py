@@ -24,7 +24,7 @@ from graphrelay.capture.iteration.graph_runner import CaptureReport, GraphRunner
 from graphrelay.capture.iteration.inputs import IterationInputs
 from graphrelay.capture.iteration.ngram import SpecConfig, TokenHistory
 from graphrelay.capture.iteration.spans import Span
-from graphrelay.capture.iteration.step import IterationStep
+from graphrelay.capture.iteration.step import CONTROLS, PLAIN, IterationStep
 from graphrelay.capture.model.linear_plan import LinearPlan
 from graphrelay.capture.model.memory_plan import check_fits, plan_memory
 from graphrelay.capture.model.model import LlamaModel, ModelConfig, ModelWeights
@@ -133,8 +133,9 @@ class Engine:
                                              mirror_depth=config.mirror_depth)
         self.step = IterationStep(self.relay, self.model, self.mirror, self.inputs, spec=spec, history=self.history,
                                   max_top_k=config.max_top_k, controls=self.controls)
+        # With controls, every bucket is captured plain and controlled: `launch` picks per iteration.
         self.runner = GraphRunner(
-            self.step, buckets, config.max_tokens, self.device,
+            self.step, buckets, config.max_tokens, self.device, variants=self.step.variants,
             use_graphs=config.use_graphs, strict=True, progress=progress and (tp is None or tp.leads),
             # NCCL's watchdog thread queries events while the graphs capture: only the capturing
             # thread's calls may be checked, or its legal queries would invalidate the capture.
@@ -146,6 +147,9 @@ class Engine:
         self.stream = Stream.persistent(self.device)
         self.torch_stream = self.stream.as_torch() if self.on_gpu else None
         self.iterations_launched = 0
+        # Per mirror ring slot, whether the iteration it holds ran the controls variant (only
+        # those wrote logprobs); an iteration is readable only while it is in the ring.
+        self._controlled = [False] * config.mirror_depth
         # Per slot, an upper bound on its tokens in the cache after the iterations launched so
         # far (a decode span adds k + 1 whatever is accepted): eager steps attend only that far.
         self._length_bound = [0] * (max_reqs + 1)
@@ -235,8 +239,18 @@ class Engine:
         bucket = self.runner.bucket(tokens)  # chosen once: the inputs are laid out for it and it runs
         self.step.key_bound = None if self.uses_graphs else self._key_bound(spans)
         self.inputs.load(spans, bucket, self.config.tokens_per_decode, self.torch_stream)
-        self.runner.run(bucket)
+        variant = self.variant(spans)
+        self.runner.run(bucket, variant)
+        self._controlled[self.iterations_launched % self.config.mirror_depth] = variant == CONTROLS
         return self._recorded()
+
+    def variant(self, spans: Sequence[Span]) -> str:
+        """The step variant an iteration of `spans` runs: "controls" when any of their slots
+        was admitted with controls in use (the whole batch then runs them; the neutral rows
+        come out as in "plain"), else "plain". Decided from host-side flags: no device read."""
+        if self.controls is not None and self.controls.in_use([s.slot for s in spans]):
+            return CONTROLS
+        return PLAIN
 
     def _key_bound(self, spans: Sequence[Span]) -> int:
         """The most keys any token of `spans` attends, rounded up to 64 so eager shapes repeat."""
@@ -253,8 +267,11 @@ class Engine:
         self.controls.admit(slot, params, stop_tokens, prompt)
 
     def read_logprobs(self, read: MirrorRead) -> Optional[list[TokenLogprobs]]:
-        """The logprobs of `read`'s rows (before `fresh()`), or None without them."""
+        """The logprobs of `read`'s rows (before `fresh()`), or None without them: an engine
+        without logprobs, or an iteration that ran plain (no request in it asked)."""
         if self.controls is None or self.controls.logprobs is None:
+            return None
+        if not self._controlled[read.iteration % self.config.mirror_depth]:
             return None
         return self.controls.logprobs.read(read)
 

@@ -5,10 +5,16 @@
         `capture.kernels.iteration_prologue`)
         -> [speculation: token history, n-gram drafts into the verify spans, then the embedding]
         -> model layers over all T tokens (prefill chunks, decode rows, verify spans)
-        -> LM head only at the sampled rows -> sampling
-        -> [speculation: accept the leading drafts the target agrees with]
+        -> LM head only at the sampled rows -> [controls: penalties, bias, min_tokens, grammar]
+        -> sampling -> [speculation: accept the leading drafts the target agrees with]
+        -> [controls: counts, automaton states, logprobs of the emitted rows]
         -> relay stash + publish -> host-mirror write (one launch on CUDA for a plain step:
         `capture.kernels.iteration_epilogue`; two, plus their glue, otherwise)
+
+A step built with controls runs in two variants, each captured per bucket: "controls" (the
+bracketed controls ops) and "plain" (without them: what an engine without controls runs), so
+a batch in which no request uses a control pays nothing for them. The host picks the variant
+per iteration (`Engine.launch`).
 
 One route for every token: a prompt's first sampled token goes through the relay and the
 mirror exactly like a decode token. Every buffer is allocated here or by the parts before
@@ -39,6 +45,8 @@ from graphrelay.capture.model.model import LlamaModel
 from graphrelay import Relay, RelayPayload
 from graphrelay.mirror import HostMirror
 
+PLAIN, CONTROLS = "plain", "controls"  # the step's variants (see the module docstring)
+
 
 class IterationStep:
     """Binds a relay, a model, a host mirror, the input surface and (when speculating) the
@@ -48,7 +56,7 @@ class IterationStep:
     values (a sync) and the step runs under sync-debug "error" during warm-up. Slots are
     validated where the scheduler assigns them.
 
-    backend: "triton" fuses the prologue, and for a step without speculation or controls the
+    backend: "triton" fuses the prologue, and for the plain variant without speculation the
     epilogue, into one kernel each; "torch" runs the glue (the reference). None: Triton on
     CUDA unless the relay is in debug mode.
     """
@@ -80,7 +88,8 @@ class IterationStep:
         # Speculation writes the drafts into the ids after the prologue: the model embeds them.
         self.prologue = IterationPrologue(relay, model.embed, model.config.max_seq_len, top, embeds=spec is None,
                                           backend=backend)
-        self.fused_epilogue = self.prologue.backend == "triton" and spec is None and controls is None
+        # The plain variant's epilogue (the controls variant keeps the glue: its ops sit between).
+        self.fused_epilogue = self.prologue.backend == "triton" and spec is None
         if self.fused_epilogue:
             check_fusable(relay, mirror)
         self.logits = torch.zeros((rows, model.config.vocab_size), dtype=torch.float32, device=device)
@@ -92,7 +101,19 @@ class IterationStep:
             self.accepted = Accepted(torch.zeros((spans, per), dtype=torch.int64, device=device),
                                      torch.zeros(spans, dtype=torch.int64, device=device))
 
-    def __call__(self, tokens: int) -> None:
+    @property
+    def variants(self) -> tuple[str, ...]:
+        """The variants this step runs, the fullest last."""
+        return (PLAIN,) if self.controls is None else (PLAIN, CONTROLS)
+
+    def __call__(self, tokens: int, variant: Optional[str] = None) -> None:
+        """One iteration of `tokens` (a bucket) in `variant` (default: the fullest)."""
+        if variant is None:
+            variant = self.variants[-1]
+        elif variant not in self.variants:
+            raise ValueError(f"variant {variant!r} is not one of this step's {self.variants}")
+        controls = self.controls if variant == CONTROLS else None
+        fused = self.fused_epilogue and controls is None
         g = self.inputs.geometry(tokens)
         R, per = g.spans, self.per
         v = self.inputs.narrow(tokens)
@@ -111,19 +132,19 @@ class IterationStep:
 
         first = row_positions.view(R, per)[:, 0]  # position of the token row 0 samples after
         # The fused epilogue finds each row's reported slot itself.
-        reported = None if self.fused_epilogue else torch.where(v.span_samples[:R].bool(), live_slots, 0)
+        reported = None if fused else torch.where(v.span_samples[:R].bool(), live_slots, 0)
         raw_logits = logits
-        if self.controls is not None:
+        if controls is not None:
             # Penalties, bias, min_tokens and the grammar mask; a verify row j is controlled as
             # if drafts 0..j-1 were emitted (their counts, the automaton state after them).
             row_slots = per_row(reported)
-            spans = () if self.spec is None else self.controls.span_rows(reported, drafts.tokens)
-            logits, row_states = self.controls.before_sample(logits, row_slots, row_positions, *spans)
+            spans = () if self.spec is None else controls.span_rows(reported, drafts.tokens)
+            logits, row_states = controls.before_sample(logits, row_slots, row_positions, *spans)
         # The draw at a row uses its token's position as the step: what plain decoding uses at
         # that position, in every mode and batch composition.
         target = sample(logits, per_row(v.temperature), per_row(v.top_k), per_row(v.seeds), row_positions,
                         out=self.target[: g.rows], max_top_k=self.max_top_k, top_p=per_row(v.top_p))
-        if self.fused_epilogue:
+        if fused:
             stash_publish_mirror(self.relay, self.mirror, v.span_slot, v.span_samples, v.row_live, target,
                                  row_positions)
             return
@@ -144,8 +165,11 @@ class IterationStep:
         self.relay.stash_and_publish(reported, payload, new_seq_lens)
         limit = counts if self.spec is None else counts[:, None]
         emitted = (v.row_live.view(R, per) != 0) & (self.columns[None, :] < limit)
-        if self.controls is not None:  # counts, states and logprobs of the emitted rows
-            self.controls.after_sample(row_slots, raw_logits, target, row_states, emitted.view(-1))
+        if controls is not None:  # counts, states and logprobs of the emitted rows
+            # Before the mirror write: the logprobs go to the ring slot of the iteration the
+            # mirror's counter holds, which that write then advances.
+            controls.after_sample(row_slots, raw_logits, target, row_states, self.mirror.device_ring[1],
+                                  emitted.view(-1))
         self.mirror.write(
             torch.where(emitted, reported[:, None], 0).view(-1),
             tokens_out,

@@ -1,6 +1,7 @@
 """The sampling controls on a GPU: the Triton kernels equal the torch reference at a real
 vocabulary size, and an engine whose captured graphs apply every control produces exactly what
-the same engine run eagerly produces, plain and speculative, with no host sync in the loop."""
+the same engine run eagerly produces, plain and speculative, with no host sync in the loop,
+through batches that switch between the plain and the controls graph of each bucket."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ from graphrelay.capture.iteration.ngram import SpecConfig
 from graphrelay.capture.model.model import ModelConfig
 from graphrelay.capture.serving.loop import ServingLoop
 from graphrelay.capture.serving.workloads import SyntheticWorkload
-from controls_cases import EOS, REGEX, SCHEMA, STRINGS, msgspec_replace
+from graphrelay.capture.iteration.step import CONTROLS, PLAIN
+from graphrelay.capture.serving.sync_count import HostSyncCounter
+from controls_cases import EOS, REGEX, SCHEMA, STRINGS, VARIANTS, msgspec_replace, record_variants, run_schedule
 
 pytestmark = pytest.mark.gpu
 
@@ -62,17 +65,32 @@ def requests(spec: bool):
             for i, r in enumerate(base)]
 
 
-def run(use_graphs: bool, spec: bool):
-    engine = Engine(EngineConfig(MODEL, max_reqs=8, max_batch=4, device="cuda", use_graphs=use_graphs, max_tokens=32,
-                                 buckets=(32,), spec=SpecConfig(k=3) if spec else None,
+def make_engine(use_graphs: bool, spec: bool, max_tokens: int = 32) -> Engine:
+    engine = Engine(EngineConfig(MODEL, max_reqs=8, max_batch=4, device="cuda", use_graphs=use_graphs,
+                                 max_tokens=max_tokens, buckets=(max_tokens,), spec=SpecConfig(k=3) if spec else None,
                                  controls=ControlsConfig(grammar_states=512)))
     engine.controls.set_compiler(GrammarCompiler(vocabulary(STRINGS, EOS), MODEL.vocab_size))
-    engine.capture()
-    return ServingLoop(engine, "overlap" if use_graphs else "eager").run(requests(spec))
+    report = engine.capture()
+    if use_graphs:
+        # Both variants captured for every bucket, the plain one without the controls' nodes.
+        nodes = report.variant_nodes
+        assert set(nodes) == {PLAIN, CONTROLS} and set(nodes[PLAIN]) == set(nodes[CONTROLS]) == {max_tokens}
+        assert nodes[PLAIN][max_tokens] < nodes[CONTROLS][max_tokens] == report.nodes[max_tokens]
+    return engine
+
+
+def run(use_graphs: bool, spec: bool):
+    engine = make_engine(use_graphs, spec)
+    ran = record_variants(engine) if not use_graphs else None
+    result = ServingLoop(engine, "overlap" if use_graphs else "eager").run(requests(spec))
+    if ran is not None:  # the eager twin runs the same schedule of variants through the step
+        assert {PLAIN, CONTROLS} <= set(ran), f"the workload must switch variants: {ran}"
+    return result
 
 
 @pytest.mark.parametrize("spec", [False, True])
 def test_captured_controls_equal_eager_with_no_host_sync(spec):
+    """Controlled and uncontrolled requests, so batches replay both graphs of the bucket."""
     graphs, eager = run(True, spec), run(False, spec)
     assert graphs.stats.graphs and graphs.stats.host_syncs == 0
     for rid, out in eager.outputs.items():
@@ -81,3 +99,28 @@ def test_captured_controls_equal_eager_with_no_host_sync(spec):
             got = graphs.outputs[rid].logprobs
             assert [[t for t, _ in lp.top] for lp in got] == [[t for t, _ in lp.top] for lp in out.logprobs], rid
             assert [lp.logprob for lp in got] == pytest.approx([lp.logprob for lp in out.logprobs], rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_a_schedule_switching_variants_replays_both_graphs_as_eager_runs_them(spec):
+    """The schedule whose batches go plain, controlled, plain...: the captured engine replays
+    the graph of the variant each batch needs (the runner calls no step: every replay is a
+    graph), with no host sync, and every read and logprob equals the eager engine's; plain
+    iterations carry no logprobs."""
+    graphs = make_engine(True, spec, max_tokens=16)
+    stepped = record_variants(graphs)  # after capture: only a run without its graph reaches it
+    with HostSyncCounter(True) as syncs:
+        got = run_schedule(graphs, lag=2)
+    assert syncs.count == 0, f"the replays made {syncs.count} host syncs"
+    assert stepped == [], f"iterations ran eagerly instead of replaying their variant's graph: {stepped}"
+    eager = make_engine(False, spec, max_tokens=16)
+    ran = record_variants(eager)
+    want = run_schedule(eager, lag=2)
+    assert ran == VARIANTS
+    for n, ((slots, tokens, logprobs), (want_slots, want_tokens, want_logprobs)) in enumerate(zip(got, want)):
+        assert (slots, tokens) == (want_slots, want_tokens), f"iteration {n}"
+        assert (logprobs is None) == (want_logprobs is None) == (VARIANTS[n] == PLAIN), f"iteration {n}"
+        if logprobs is not None:
+            assert [lp.top[0][0] for lp in logprobs] == [lp.top[0][0] for lp in want_logprobs], f"iteration {n}"
+            assert [lp.logprob for lp in logprobs] == pytest.approx([lp.logprob for lp in want_logprobs], rel=1e-4,
+                                                                    abs=1e-5), f"iteration {n}"

@@ -2,14 +2,15 @@
 
 One engine per variant, all at one batch size B (64; the model's shapes with random weights:
 the cost does not depend on the weights), every slot prefilled, then the decode step's graph
-replayed back to back and timed with CUDA events. Variants:
+(the step variant the engine picks for that batch, as `Engine.launch` does) replayed back to
+back and timed with CUDA events. Variants:
 
-- off: no controls in the graph (EngineConfig.controls None): the baseline;
-- idle: controls and logprobs in the graph, no request using any (the graph cannot branch on
-  values, so this is what the controls cost a batch that does not use them);
+- off: no controls in the engine (EngineConfig.controls None): the baseline;
+- idle: an engine with controls and logprobs, no request using any: its batches replay the
+  plain graph, so this is what the controls cost a batch that does not use them (~ off);
 - idle-no-logprobs: the same without the logprob ops (ControlsConfig.logprobs False);
 - penalties, bias+min_tokens, grammar (a regex over a made-up vocabulary), all (every control
-  but min_tokens, which a grammar excludes): every request using them.
+  but min_tokens, which a grammar excludes): every request using them, so the controls graph.
 
 Reported: µs per step (median of repeats) and the overhead over `off`; the target (issue 21:
 <= 5% while in use) is reported, not asserted.
@@ -29,6 +30,7 @@ from graphrelay.capture.iteration.controls.state import ControlsConfig
 from graphrelay.capture.iteration.engine import Engine, EngineConfig
 from graphrelay.capture.iteration.sampling import SamplingParams
 from graphrelay.capture.iteration.spans import decode_span, prefill_span
+from graphrelay.capture.iteration.step import CONTROLS, PLAIN
 from graphrelay.capture.model.model import ModelConfig
 from graphrelay.tools.bench import options, results
 from graphrelay.tools.bench.timing import Clock, time_eager
@@ -113,7 +115,11 @@ def time_variant(model: ModelConfig, device: torch.device, args, controls: Contr
                 engine.admit_controls(slot, params, (0,), prompt)
         engine.launch([prefill_span(slot, sampling, prompt, 0, True) for slot in slots])
         # The decode iteration of the whole batch, replayed in place (its bucket is the batch).
-        engine.inputs.load([decode_span(slot, sampling) for slot in slots], batch, 1, engine.torch_stream)
-        sample = time_eager(Clock(device), lambda _k: engine.runner.run(batch), args.iters, args.repeats)
+        decodes = [decode_span(slot, sampling) for slot in slots]
+        variant = engine.variant(decodes)
+        if variant != (PLAIN if params is None else CONTROLS):
+            raise RuntimeError(f"the engine picked the {variant} step for a batch with controls {params}")
+        engine.inputs.load(decodes, batch, 1, engine.torch_stream)
+        sample = time_eager(Clock(device), lambda _k: engine.runner.run(batch, variant), args.iters, args.repeats)
     return {"step_us": sample.median_us, "min_us": sample.min_us, "max_us": sample.max_us,
             "controls_bytes": engine.controls.nbytes if engine.controls is not None else 0}

@@ -6,8 +6,11 @@ MAX_LOGPROBS; the host keeps the n its request asked for.
 
 `LogprobChannel` is a second host mirror beside `graphrelay.mirror.HostMirror`: a ring of
 `depth` iterations in mapped pinned memory, written by the captured step at ring slot
-`counter % depth` (its own device counter, bumped once per write like the mirror's), with its
-rows in the mirror's row order. It has no events of its own: read iteration i after the
+`iteration % depth` and stamped `iteration`, where `iteration` is the mirror's own device
+counter read before the mirror's write advances it, with its rows in the mirror's row order.
+Only the step's controls variant writes it: taking the iteration from the mirror keeps the
+two aligned across the plain iterations that skip it (the engine knows which ran which, and
+reads no logprobs for a plain one). It has no events of its own: read iteration i after the
 mirror's read of i returned (the same stream wrote both, the channel first).
 """
 
@@ -50,20 +53,19 @@ class LogprobChannel:
         self._ring = PinnedRing(end, device=device)
         self.host = {n: self._ring.host_view(dt, sh, off) for (n, dt, sh), off in zip(fields, offsets)}
         self.dev = {n: self._ring.device_view(dt, sh, off) for (n, dt, sh), off in zip(fields, offsets)}
-        self.counter = torch.zeros(1, dtype=torch.int64, device=device)
         self.reset()
 
-    def write(self, row_slots: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Capturable: compute the rows' logprobs and write them at ring slot counter % depth."""
+    def write(self, row_slots: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor, iteration: torch.Tensor) -> None:
+        """Capturable: compute the rows' logprobs and write them at ring slot iteration % depth,
+        stamped `iteration` ([1] int64 on the device: the mirror's counter, not yet advanced)."""
         n = row_slots.shape[0]
         values, ids = logprob_rows(logits, tokens, self.width)
-        ring_slot = self.counter.remainder(self.depth)
+        ring_slot = iteration.remainder(self.depth)
         self.dev["slots"][:, :n].index_copy_(0, ring_slot, row_slots.long()[None])
         self.dev["values"][:, :n].index_copy_(0, ring_slot, values[None])
         self.dev["ids"][:, :n].index_copy_(0, ring_slot, ids[None])
         self.dev["counts"].index_fill_(0, ring_slot, n)
-        self.dev["stamps"].index_copy_(0, ring_slot, self.counter)
-        self.counter.add_(1)
+        self.dev["stamps"].index_copy_(0, ring_slot, iteration)
 
     def read(self, read: MirrorRead) -> list[TokenLogprobs]:
         """The rows of the mirror's `read` (padding dropped, same order), before `fresh()`;
@@ -72,7 +74,7 @@ class LogprobChannel:
         stamp = int(self.host["stamps"][ring_slot])
         if stamp != read.iteration:
             raise RuntimeError(f"LogprobChannel: ring slot {ring_slot} holds iteration {stamp}, expected {read.iteration}: "
-                               "write it once per mirror write and reset both together")
+                               "write it before the mirror's write of the same iteration and reset both together")
         slots = self.host["slots"][ring_slot, : int(self.host["counts"][ring_slot])]
         rows = (slots != 0).nonzero().flatten()
         values = self.host["values"][ring_slot, rows].tolist()
@@ -81,5 +83,4 @@ class LogprobChannel:
 
     def reset(self) -> None:
         """With the mirror's reset (after warm-up and capture, the device idle)."""
-        self.counter.zero_()
         self.host["stamps"].fill_(-1)

@@ -60,7 +60,8 @@ class SamplingControls:
     """Device tables for `max_reqs` slots (row 0 = padding, neutral) over `vocab_size` tokens,
     and static outputs for up to `max_rows` sampled rows per step.
 
-    Host (eager, async, never syncs): `admit`, `release`, `set_compiler`.
+    Host (eager, async, never syncs): `admit`, `release`, `set_compiler`, and `in_use`: whether
+    a slot's tables hold controls (the engine runs the controls variant of the step only then).
     Device (capturable, fixed shape in the row count n): `row_states`, `apply`, `observe`,
     `observe_prompt`, `span_states`, `write_logprobs`.
     """
@@ -92,6 +93,9 @@ class SamplingControls:
         self.logprobs = LogprobChannel(max_rows, mirror_depth, self.device) if config.logprobs else None
         self.compiler = compiler
         self._grammar_of: dict[int, tuple[str, str]] = {}
+        # Per slot, whether the params `admit` loaded change anything (host-side, so the engine
+        # picks the step's variant without reading the device).
+        self._active = [False] * slots
 
     @property
     def nbytes(self) -> int:
@@ -163,9 +167,17 @@ class SamplingControls:
         self._put(t.stop_ids[slot], stops + [-1] * (cfg.max_stop - len(stops)))
         self._put(t.eos_until[slot : slot + 1], [first_step + params.min_tokens])
         self._put(self.slot_state[slot : slot + 1], [state])
+        # Any field off its default acts; the reset above is what lets a slot skip the controls
+        # while inactive (its counts and state go stale) and start clean when next admitted.
+        self._active[slot] = params != ControlParams()
         t.counts[slot].zero_()
         if prompt:
             t.counts[slot].index_fill_(0, to_device_async(torch.tensor(list(prompt)), self.device), PROMPT_BIT)
+
+    def in_use(self, slots: Sequence[int]) -> bool:
+        """Whether any of `slots` was admitted with params that change something (penalties,
+        bias, min_tokens, grammar or logprobs): only then must an iteration run the controls."""
+        return any(self._active[slot] for slot in slots)
 
     def release(self, slot: int) -> None:
         """The request on `slot` finished: its grammar's rows may be reused once idle."""
@@ -231,13 +243,16 @@ class SamplingControls:
         return self.apply(logits, row_slots, row_steps, states, row_drafts), states
 
     def after_sample(self, row_slots: torch.Tensor, raw_logits: torch.Tensor, tokens: torch.Tensor,
-                     row_states: torch.Tensor, emitted: Optional[torch.Tensor] = None) -> None:
+                     row_states: torch.Tensor, iteration: torch.Tensor, emitted: Optional[torch.Tensor] = None) -> None:
         """Count and advance by the emitted tokens, and carry the rows' logprobs to the host
-        (rows not emitted as padding, as the mirror writes them)."""
+        (rows not emitted as padding, as the mirror writes them) for mirror iteration
+        `iteration` ([1] int64 on the device)."""
         self.observe(row_slots, tokens, row_states, emitted)
-        self.write_logprobs(row_slots if emitted is None else torch.where(emitted, row_slots, 0), raw_logits, tokens)
+        self.write_logprobs(row_slots if emitted is None else torch.where(emitted, row_slots, 0), raw_logits, tokens,
+                            iteration)
 
-    def write_logprobs(self, row_slots: torch.Tensor, raw_logits: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Logprobs of this step's rows into the channel (once per mirror write)."""
+    def write_logprobs(self, row_slots: torch.Tensor, raw_logits: torch.Tensor, tokens: torch.Tensor,
+                       iteration: torch.Tensor) -> None:
+        """Logprobs of this step's rows into the channel, for mirror iteration `iteration`."""
         if self.logprobs is not None:
-            self.logprobs.write(row_slots, raw_logits, tokens)
+            self.logprobs.write(row_slots, raw_logits, tokens, iteration)
