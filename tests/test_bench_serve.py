@@ -77,6 +77,28 @@ def test_smoke_sweep_in_process_serves_every_request_exactly(tmp_path, capsys):
     assert "TTFT p50" in printed and "highest rate with TTFT p99" in printed
 
 
+def test_smoke_sweep_at_tp_1_and_2_serves_the_same_workload_on_gloo_ranks(tmp_path, capsys):
+    """`--tp 1,2`: size 1 in process, size 2 on two spawned gloo ranks; each size writes a plain
+    run's report, and the summary sets their highest rates within the SLO side by side."""
+    assert bench_main(["serve", "--smoke", "--tp", "1,2", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    requests = smoke_requests()
+    summary = json.loads((tmp_path / "serve_tp_bench.json").read_text())
+    assert [r["tp"] for r in summary["sizes"]] == [1, 2] and not (tmp_path / "serve_bench.json").exists()
+    for row in summary["sizes"]:
+        report = json.loads((tmp_path / row["report"]).read_text())
+        assert report["served"]["tp"] == row["tp"] and report["plan"]["tp"] == [1, 2]
+        assert report["highest_rate_within_slo"] == row["highest_rate_within_slo"]
+        assert row["host_syncs_per_rank"] == [0] * row["tp"] and row["relays_identical"] is True
+        for p in report["points"]:
+            assert p["completed"] == len(requests) and p["failed"] == 0
+            assert p["output_tokens"] == sum(r.max_new_tokens for r in requests)
+        assert (tmp_path / report["plot"]).read_bytes().startswith(b"\x89PNG")
+    target = summary["targets"][0]
+    assert target["name"] == "TP=2's highest rate with TTFT p99 <= 1000 ms over TP=1's" and target["limit"] == 1.5
+    assert "online load by tensor-parallel size" in printed and "over TP=1's >= 1.5 x" in printed
+
+
 def test_needs_a_gpu_without_smoke(tmp_path, capsys):
     assert_needs_gpu("serve", capsys, tmp_path)
 
@@ -310,6 +332,8 @@ def test_plot_has_one_point_per_rate(tmp_path):
     (["--url", "http://127.0.0.1:9", "--max-reqs", "8"], "--max-reqs sizes the in-process engine"),
     (["--url", "http://127.0.0.1:9"], "cannot list the served models"),
     (["--slo-ttft-ms", "-5"], "must be a finite number > 0"),
+    (["--tp", "2", "--url", "http://127.0.0.1:9"], "--tp sizes the in-process engine"),
+    (["--tp", "1,2", "--model", "smollm2-135m", "--weights", "random"], "--tp 2: tensor parallelism over 2 ranks needs num_heads (9)"),
 ])
 def test_bad_options_exit_2_with_one_line(argv, message, tmp_path, capsys):
     assert_usage_error("serve", argv, message, capsys, tmp_path)

@@ -297,7 +297,7 @@ def test_presets():
     smol = ModelConfig.preset("smollm2-135m")
     assert (smol.vocab_size, smol.num_layers, smol.num_heads, smol.num_kv_heads, smol.head_dim) == (49152, 30, 9, 3, 64)
     assert smol.tie_word_embeddings and smol.rope_theta == 100000.0
-    assert set(MODEL_PRESETS) == {"tiny", "small", "medium", "smollm2-135m"}
+    assert set(MODEL_PRESETS) == {"tiny", "small", "medium", "llama-1b", "smollm2-135m"}
     with pytest.raises(ValueError, match="unknown model preset 'huge'"):
         ModelConfig.preset("huge")
 

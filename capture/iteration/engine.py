@@ -21,12 +21,12 @@ from graphrelay.capture.iteration.controls.logprobs import TokenLogprobs
 from graphrelay.capture.iteration.controls.params import ControlParams
 from graphrelay.capture.iteration.controls.state import ControlsConfig, SamplingControls
 from graphrelay.capture.iteration.graph_runner import CaptureReport, GraphRunner
-from graphrelay.capture.iteration.inputs import IterationInputs
+from graphrelay.capture.iteration.inputs import IterationInputs, bucket_spans
 from graphrelay.capture.iteration.ngram import SpecConfig, TokenHistory
 from graphrelay.capture.iteration.spans import Span
 from graphrelay.capture.iteration.step import CONTROLS, PLAIN, IterationStep
 from graphrelay.capture.model.linear_plan import LinearPlan
-from graphrelay.capture.model.memory_plan import check_fits, plan_memory
+from graphrelay.capture.model.memory_plan import MemoryPlan, check_fits, plan_memory
 from graphrelay.capture.model.model import LlamaModel, ModelConfig, ModelWeights
 from graphrelay.capture.parallel.tensor_parallel import Command, LaunchCommand, StopCommand, TensorParallel
 from graphrelay.capture.serving.sync_count import HostSyncCounter
@@ -91,6 +91,12 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """Tokens of the largest decode-only iteration."""
         return self.max_batch * self.tokens_per_decode
 
+    def memory_plan(self, world: int = 1) -> MemoryPlan:
+        """The memory one of `world` tensor-parallel ranks of this engine takes (its shard of
+        the model); raises if the model does not split over `world`."""
+        rows = bucket_spans(self.max_tokens, self.max_batch) * self.tokens_per_decode
+        return plan_memory(self.model.shard(world), self.max_reqs, self.max_tokens, rows)
+
 
 class Engine:
     """Everything one iteration touches, allocated up front from one `EngineConfig`: relay,
@@ -114,8 +120,7 @@ class Engine:
         self.inputs = IterationInputs(config.max_tokens, config.max_batch, per, self.device)
         # One mirror row per sampled row: the relay's max_batch sizes the mirror.
         rows = self.inputs.geometry(config.max_tokens).rows
-        check_fits(plan_memory(model_config.shard(tp.world if tp else 1), max_reqs, config.max_tokens, rows),
-                   self.device)
+        check_fits(config.memory_plan(tp.world if tp else 1), self.device)
         extra = {}
         if spec is not None:
             extra = dict(accepted_tokens=FieldSpec((spec.rows,), "int32"), accept_len=FieldSpec((), "int32"))

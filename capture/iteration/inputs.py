@@ -40,6 +40,12 @@ class Geometry(NamedTuple):
     q_block: int  # tokens per query block of the attention
 
 
+def bucket_spans(tokens: int, max_spans: int) -> int:
+    """R of a bucket of `tokens` tokens; its sampled rows are R * rows_per_span (also what the
+    memory plan sizes before any buffer exists)."""
+    return min(tokens, max_spans)
+
+
 class InputsView(NamedTuple):
     """One bucket's views of the device inputs."""
 
@@ -123,7 +129,7 @@ class IterationInputs:
         self.staging_waits = 0
 
     def geometry(self, tokens: int) -> Geometry:
-        spans = min(tokens, self.max_spans)
+        spans = bucket_spans(tokens, self.max_spans)
         # Buckets a decode-only iteration can fill give every token its own query block (one
         # program reads a slot's keys for one token's GQA group, as a decode kernel would);
         # larger ones, which carry prompt chunks, share each key tile among Q_BLOCK tokens.

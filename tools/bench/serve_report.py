@@ -31,6 +31,9 @@ TTFT_P50_LIMIT_MS, TTFT_P99_LIMIT_MS = 20.0, 100.0
 SLO_RATE_TARGET = 600.0
 # Issue 20's, over HTTP against the in-process figures.
 HTTP_ADDED_TTFT_MS, HTTP_THROUGHPUT_RATIO = 2.0, 0.9
+# Issue 23's: TP=2's highest rate within the SLO over TP=1's.
+TP2_RATE_RATIO = 1.5
+TP_JSON_NAME = "serve_tp_bench.json"
 
 
 def rate_label(rate: float) -> str:
@@ -56,6 +59,30 @@ def write_report(plan: Plan, command: list[str], out: Path, names: tuple[str, st
     print(format_points(points))
     print(f"highest rate with TTFT p99 <= {plan.slo_ttft_ms:g} ms: "
           + ("none of those run" if best is None else f"{best:g} requests/s"))
+    for target in targets:
+        print(target.line())
+
+
+def write_tp_summary(plan: Plan, command: list[str], out: Path, device: torch.device, rows: list[dict[str, Any]],
+                     start: float) -> None:
+    """`--tp`: each size's highest rate within the SLO side by side (`rows`, one per size,
+    its full report named under "report"), and issue 23's target, reported, not asserted."""
+    best = {r["tp"]: r["highest_rate_within_slo"] for r in rows}
+    ratio = best[2] / best[1] if best.get(1) and best.get(2) is not None else None
+    targets = [results.Target(f"TP=2's highest rate with TTFT p99 <= {plan.slo_ttft_ms:g} ms over TP=1's",
+                              TP2_RATE_RATIO, "x", False, ratio)]
+    results.write_json(out / TP_JSON_NAME, {
+        "benchmark": "serve-tp", "smoke": plan.smoke, "environment": results.environment(device, command),
+        "plan": {**msgspec.to_builtins(plan), "rates": [rate_label(r) for r in plan.rates]}, "slo_ttft_ms": plan.slo_ttft_ms,
+        "sizes": rows, "targets": [t.as_dict() for t in targets], "wall_s": time.perf_counter() - start,
+    })
+    print(f"wrote {out / TP_JSON_NAME}")
+    headers = ["tp", f"highest rate, TTFT p99 <= {plan.slo_ttft_ms:g} ms", "out tok/s all at once", "host syncs per rank",
+               "relays identical"]
+    body = [[str(r["tp"]), "none" if r["highest_rate_within_slo"] is None else f"{r['highest_rate_within_slo']:g} req/s",
+             "n/a" if r["output_tokens_per_s_all_at_once"] is None else f"{r['output_tokens_per_s_all_at_once']:,.0f}",
+             str(r["host_syncs_per_rank"]), "yes" if r["relays_identical"] else "NO"] for r in rows]
+    print("online load by tensor-parallel size, same workload\n" + results.format_table(headers, body))
     for target in targets:
         print(target.line())
 
