@@ -5,6 +5,7 @@ of iterations that switch between the engine's plain and controls step variants.
 from __future__ import annotations
 
 import msgspec
+import torch
 
 from graphrelay.capture.iteration.controls.grammar import made_up_token_strings
 from graphrelay.capture.iteration.controls.params import ControlParams
@@ -81,3 +82,30 @@ def run_schedule(engine: Engine, lag: int) -> list[tuple[list[int], list[int], l
             read = engine.read(iteration, block=True)
             out.append((read.slots.tolist(), read.tokens.tolist(), engine.read_logprobs(read)))
     return out
+
+
+def assert_same_logprobs(logits, got, want, ring_slot: int) -> None:
+    """Two LogprobChannels written from the same `logits` hold the same ring slot: stamps and
+    counts (all slots) and the row slots equal; values within 1e-6 relative, relative to the
+    row's logsumexp where it is larger (a value near 0 is a difference of two numbers that
+    size, and the two logsumexps sum in different orders: a few ulps apart); on ties the top's
+    order is free, so each got id must be distinct and carry its value (its logit minus the
+    logsumexp), and equal the wanted id where the wanted value is held by one logit only."""
+    for name in ("stamps", "counts"):
+        assert torch.equal(got.host[name], want.host[name]), name
+    n = int(want.host["counts"][ring_slot])
+    assert torch.equal(got.host["slots"][ring_slot, :n], want.host["slots"][ring_slot, :n])
+    rows = logits[:n].float().cpu()
+    got_values, want_values = got.host["values"][ring_slot, :n], want.host["values"][ring_slot, :n]
+    got_ids, want_ids = got.host["ids"][ring_slot, :n], want.host["ids"][ring_slot, :n]
+    lse = torch.logsumexp(rows, dim=1, keepdim=True)
+
+    def assert_close(got_v, want_v):
+        tolerance = 1e-6 * torch.maximum(want_v.abs(), lse.abs().clamp(min=1.0))
+        assert bool(((got_v == want_v) | ((got_v - want_v).abs() <= tolerance)).all()), (got_v, want_v)
+
+    assert_close(got_values, want_values)
+    assert_close(rows.gather(1, got_ids) - lse, want_values[:, 1:])
+    assert bool((got_ids.sort(dim=1).values.diff(dim=1) > 0).all()), "an id repeats in a row's top"
+    unique = (rows[:, None, :] == rows.gather(1, want_ids)[:, :, None]).sum(-1) == 1
+    assert torch.equal(got_ids[unique], want_ids[unique])

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from graphrelay.capture.iteration.controls.grammar import GrammarCompiler, vocabulary
+from graphrelay.capture.iteration.controls.logprobs import LogprobChannel
 from graphrelay.capture.iteration.controls.params import ControlParams
 from graphrelay.capture.iteration.controls.state import ControlsConfig, SamplingControls
 from graphrelay.capture.iteration.engine import Engine, EngineConfig
@@ -21,7 +22,8 @@ from graphrelay.capture.serving.loop import ServingLoop
 from graphrelay.capture.serving.workloads import SyntheticWorkload
 from graphrelay.capture.iteration.step import CONTROLS, PLAIN
 from graphrelay.capture.serving.sync_count import HostSyncCounter
-from controls_cases import EOS, REGEX, SCHEMA, STRINGS, VARIANTS, msgspec_replace, record_variants, run_schedule
+from controls_cases import (EOS, REGEX, SCHEMA, STRINGS, VARIANTS, assert_same_logprobs, msgspec_replace, record_variants,
+                            run_schedule)
 
 pytestmark = pytest.mark.gpu
 
@@ -53,6 +55,44 @@ def test_triton_apply_equals_torch_at_a_real_vocabulary():
         results[backend] = c.apply(logits, slots, steps, c.row_states(slots)).clone()
     torch.testing.assert_close(results["triton"], results["torch"])
     assert torch.isinf(results["torch"]).any()
+
+
+def test_triton_logprobs_equal_torch_at_a_real_vocabulary_captured_with_no_host_sync():
+    """The channel's two launches against the torch reference at SmolLM2's vocabulary (a row of
+    many ties, a row with -inf logits), eagerly and replayed from a graph at later iterations."""
+    rows, vocab, depth = 64, 49152, 3
+    torch.manual_seed(0)
+
+    def step_logits():
+        logits = torch.randn(rows, vocab, device="cuda") * 4
+        logits[1] = logits[1].round()
+        logits[2, ::3] = float("-inf")
+        return logits
+
+    logits, tokens = step_logits(), torch.randint(0, vocab, (rows,), device="cuda")
+    row_slots = torch.arange(rows, device="cuda", dtype=torch.int32)
+    iteration = torch.zeros(1, dtype=torch.int64, device="cuda")
+    triton_channel, torch_channel = (LogprobChannel(rows, depth, torch.device("cuda"), vocab, b) for b in ("triton", "torch"))
+    for c in (triton_channel, torch_channel):  # eager (and the kernels' compile, before capture)
+        c.write(row_slots, logits, tokens, iteration)
+    torch.cuda.synchronize()
+    assert_same_logprobs(logits, triton_channel, torch_channel, 0)
+    graph = torch.cuda.CUDAGraph()
+    with HostSyncCounter(True) as syncs:
+        with torch.cuda.graph(graph):
+            triton_channel.write(row_slots, logits, tokens, iteration)
+    assert syncs.count == 0, f"capturing the write made {syncs.count} host syncs"
+    for step in (1, 2, 3):
+        logits.copy_(step_logits())
+        tokens.random_(0, vocab)
+        iteration.fill_(step)
+        with HostSyncCounter(True) as syncs:
+            graph.replay()
+        assert syncs.count == 0, f"the replay made {syncs.count} host syncs"
+        torch_channel.write(row_slots, logits, tokens, iteration)
+        torch.cuda.synchronize()
+        assert int(triton_channel.host["stamps"][step % depth]) == step
+        assert_same_logprobs(logits, triton_channel, torch_channel, step % depth)
 
 
 def requests(spec: bool):

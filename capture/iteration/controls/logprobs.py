@@ -12,17 +12,28 @@ Only the step's controls variant writes it: taking the iteration from the mirror
 two aligned across the plain iterations that skip it (the engine knows which ran which, and
 reads no logprobs for a plain one). It has no events of its own: read iteration i after the
 mirror's read of i returned (the same stream wrote both, the channel first).
+
+On CUDA (or ControlsConfig.backend "triton") `write` is two Triton launches writing the ring
+directly: per (row, vocabulary chunk) the chunk's max, sum of exp and local top `width`, then
+per row the combined logsumexp and the top `width` of the candidates. The torch ops
+(`logprob_rows`, a topk over the whole vocabulary plus several small ops, each a graph node)
+stay as the CPU path and the reference. On exact ties the Triton path takes the lowest token
+id first; torch.topk's order among ties is unspecified.
 """
 
 from __future__ import annotations
 
 import msgspec
 import torch
+import triton
+import triton.language as tl
 
 from graphrelay.mirror import MirrorRead
 from graphrelay.runtime import PinnedRing
 
 from .params import MAX_LOGPROBS
+
+CHUNK = 2048  # vocabulary columns per program of the first launch
 
 
 class TokenLogprobs(msgspec.Struct, frozen=True):
@@ -41,9 +52,72 @@ def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, width: int = MAX_LO
     return torch.cat([sampled, top.values], dim=1) - lse, top.indices
 
 
+@triton.jit
+def _top_of(x, ids, alive, out_values, out_ids, WIDTH: tl.constexpr):
+    """`WIDTH` rounds of argmax over the `alive` lanes, lowest id first on ties; a round with
+    no lane left stores -inf and id -1. Membership is tracked apart from the values, so a
+    -inf logit is still a valid pick."""
+    for k in range(WIDTH):
+        best = tl.max(tl.where(alive, x, float("-inf")))
+        pick = tl.min(tl.where(alive & (x == best), ids, 2**62))
+        found = pick < 2**62
+        tl.store(out_values + k, tl.where(found, best, float("-inf")))
+        tl.store(out_ids + k, tl.where(found, pick, -1))
+        alive = alive & (ids != pick)
+
+
+@triton.jit
+def _chunk_kernel(logits_ptr, logits_stride, max_ptr, sum_ptr, cand_values_ptr, cand_ids_ptr, vocab, chunks,
+                  WIDTH: tl.constexpr, CHUNK: tl.constexpr):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    ids = chunk * CHUNK + tl.arange(0, CHUNK).to(tl.int64)
+    valid = ids < vocab
+    x = tl.load(logits_ptr + row * logits_stride + ids, mask=valid, other=float("-inf")).to(tl.float32)
+    m = tl.max(x)
+    # Relative to a finite max: an all -inf chunk sums exp(-inf) = 0, not exp(-inf - -inf) = nan.
+    s = tl.sum(tl.exp(x - tl.where(m > float("-inf"), m, 0.0)))
+    at = row * chunks + chunk
+    tl.store(max_ptr + at, m)
+    tl.store(sum_ptr + at, s)
+    _top_of(x, ids, valid, cand_values_ptr + at * WIDTH, cand_ids_ptr + at * WIDTH, WIDTH)
+
+
+@triton.jit
+def _row_kernel(logits_ptr, logits_stride, tokens_ptr, row_slots_ptr, iteration_ptr, max_ptr, sum_ptr,
+                cand_values_ptr, cand_ids_ptr, stamps_ptr, counts_ptr, slots_ptr, values_ptr, ids_ptr,
+                n, chunks, depth, max_rows,
+                WIDTH: tl.constexpr, CHUNKS_BLOCK: tl.constexpr, WIDTH_BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    iteration = tl.load(iteration_ptr)
+    ring_slot = iteration % depth
+    c = tl.arange(0, CHUNKS_BLOCK)
+    m = tl.load(max_ptr + row * chunks + c, mask=c < chunks, other=float("-inf"))
+    s = tl.load(sum_ptr + row * chunks + c, mask=c < chunks, other=0.0)
+    # Each chunk's sum rescaled to the row's max (an all -inf chunk adds s = 0, rescaled by 0).
+    top = tl.max(m)
+    top = tl.where(top > float("-inf"), top, 0.0)
+    lse = top + tl.log(tl.sum(s * tl.exp(m - top)))
+    j = tl.arange(0, WIDTH_BLOCK)
+    at = (row * chunks + c[:, None]) * WIDTH + j[None, :]
+    inside = (c[:, None] < chunks) & (j[None, :] < WIDTH)
+    cand = tl.load(cand_values_ptr + at, mask=inside, other=float("-inf"))
+    cand_ids = tl.load(cand_ids_ptr + at, mask=inside, other=-1)
+    token = tl.load(tokens_ptr + row).to(tl.int64)
+    out = ring_slot * max_rows + row
+    tl.store(values_ptr + out * (1 + WIDTH), tl.load(logits_ptr + row * logits_stride + token).to(tl.float32) - lse)
+    # The candidates' ids are distinct (chunks do not overlap); -1 marks a chunk's empty round.
+    _top_of(cand - lse, cand_ids, cand_ids >= 0, values_ptr + out * (1 + WIDTH) + 1, ids_ptr + out * WIDTH, WIDTH)
+    tl.store(slots_ptr + out, tl.load(row_slots_ptr + row).to(tl.int64))
+    if row == 0:
+        tl.store(counts_ptr + ring_slot, n)
+        tl.store(stamps_ptr + ring_slot, iteration)
+
+
 class LogprobChannel:
-    def __init__(self, max_rows: int, depth: int, device: torch.device, width: int = MAX_LOGPROBS):
-        self.depth, self.max_rows, self.width = depth, max_rows, width
+    def __init__(self, max_rows: int, depth: int, device: torch.device, vocab: int, backend: str = "torch",
+                 width: int = MAX_LOGPROBS):
+        self.depth, self.max_rows, self.width, self.vocab, self.backend = depth, max_rows, width, vocab, backend
         fields = [("stamps", torch.int64, (depth,)), ("counts", torch.int64, (depth,)), ("slots", torch.int64, (depth, max_rows)),
                   ("values", torch.float32, (depth, max_rows, 1 + width)), ("ids", torch.int64, (depth, max_rows, width))]
         offsets, end = [], 0
@@ -53,11 +127,20 @@ class LogprobChannel:
         self._ring = PinnedRing(end, device=device)
         self.host = {n: self._ring.host_view(dt, sh, off) for (n, dt, sh), off in zip(fields, offsets)}
         self.dev = {n: self._ring.device_view(dt, sh, off) for (n, dt, sh), off in zip(fields, offsets)}
+        if backend == "triton":  # the first launch's per-chunk results, read by the second
+            self.chunks = triton.cdiv(vocab, CHUNK)
+            self._chunk_max = torch.empty((max_rows, self.chunks), dtype=torch.float32, device=device)
+            self._chunk_sum = torch.empty((max_rows, self.chunks), dtype=torch.float32, device=device)
+            self._cand_values = torch.empty((max_rows, self.chunks, width), dtype=torch.float32, device=device)
+            self._cand_ids = torch.empty((max_rows, self.chunks, width), dtype=torch.int64, device=device)
         self.reset()
 
     def write(self, row_slots: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor, iteration: torch.Tensor) -> None:
         """Capturable: compute the rows' logprobs and write them at ring slot iteration % depth,
         stamped `iteration` ([1] int64 on the device: the mirror's counter, not yet advanced)."""
+        if self.backend == "triton":
+            self._write_triton(row_slots, logits, tokens, iteration)
+            return
         n = row_slots.shape[0]
         values, ids = logprob_rows(logits, tokens, self.width)
         ring_slot = iteration.remainder(self.depth)
@@ -66,6 +149,20 @@ class LogprobChannel:
         self.dev["ids"][:, :n].index_copy_(0, ring_slot, ids[None])
         self.dev["counts"].index_fill_(0, ring_slot, n)
         self.dev["stamps"].index_copy_(0, ring_slot, iteration)
+
+    def _write_triton(self, row_slots, logits, tokens, iteration) -> None:
+        """Two launches, no torch ops and no temporaries. logits [n, vocab] with unit column stride."""
+        n, vocab = logits.shape
+        if vocab != self.vocab or n > self.max_rows or logits.stride(1) != 1:
+            raise ValueError(f"LogprobChannel: logits {tuple(logits.shape)} (strides {logits.stride()}) must be "
+                             f"[<= {self.max_rows}, {self.vocab}] with contiguous rows")
+        _chunk_kernel[(n, self.chunks)](logits, logits.stride(0), self._chunk_max, self._chunk_sum, self._cand_values,
+                                        self._cand_ids, vocab, self.chunks, WIDTH=self.width, CHUNK=CHUNK)
+        d = self.dev
+        _row_kernel[(n,)](logits, logits.stride(0), tokens, row_slots, iteration, self._chunk_max, self._chunk_sum,
+                          self._cand_values, self._cand_ids, d["stamps"], d["counts"], d["slots"], d["values"], d["ids"],
+                          n, self.chunks, self.depth, self.max_rows, WIDTH=self.width,
+                          CHUNKS_BLOCK=triton.next_power_of_2(self.chunks), WIDTH_BLOCK=triton.next_power_of_2(self.width))
 
     def read(self, read: MirrorRead) -> list[TokenLogprobs]:
         """The rows of the mirror's `read` (padding dropped, same order), before `fresh()`;

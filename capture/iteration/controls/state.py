@@ -90,7 +90,7 @@ class SamplingControls:
         if backend == "triton" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("ControlsConfig.backend 'triton' on a CPU needs TRITON_INTERPRET=1 set before importing triton")
         self._apply = apply_triton if backend == "triton" else apply_torch
-        self.logprobs = LogprobChannel(max_rows, mirror_depth, self.device) if config.logprobs else None
+        self.logprobs = LogprobChannel(max_rows, mirror_depth, self.device, vocab_size, backend) if config.logprobs else None
         self.compiler = compiler
         self._grammar_of: dict[int, tuple[str, str]] = {}
         # Per slot, whether the params `admit` loaded change anything (host-side, so the engine
