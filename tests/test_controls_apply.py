@@ -127,6 +127,19 @@ def test_observe_advances_the_grammar_state_and_span_states_follow_drafts():
     assert int(c.tables.counts[3, 5]) == 2 and int(c.tables.counts[3, 6]) == 1 and int(c.tables.counts[3, 9]) == 0
 
 
+def test_rows_not_emitted_may_carry_any_token_and_state_and_change_nothing():
+    """A padding row's sampled id is whatever its logits gave (garbage under a bucket's padding):
+    observing it must neither index outside the tables nor move any count or state."""
+    c = controls()
+    c.slot_state[2] = 1
+    c.observe(torch.tensor([2]), torch.tensor([4]), c.row_states(torch.tensor([2])))
+    counts, states = c.tables.counts.clone(), c.slot_state.clone()
+    wild = torch.tensor([VOCAB + 9, -3, 2**40])
+    c.observe(torch.tensor([0, 0, 2]), wild, torch.tensor([10**6, -5, 10**7]), emitted=torch.tensor([False, False, False]))
+    assert torch.equal(c.tables.counts, counts)
+    assert torch.equal(c.slot_state[: c.max_reqs + 1], states[: c.max_reqs + 1])
+
+
 def test_logprobs_equal_log_softmax_topk():
     torch.manual_seed(2)
     c = controls()

@@ -22,7 +22,7 @@ py=${PYTHON:-python3}
 
 wheels=$(ls .whl/*.whl tools/wheels/*.whl 2>/dev/null || true)
 if [ -n "$wheels" ]; then
-    "$py" -m pip install -q --no-index --no-deps --target /tmp/graphrelay-site $wheels || exit 1
+    "$py" -m pip install -q --upgrade --no-index --no-deps --target /tmp/graphrelay-site $wheels || exit 1
     export PYTHONPATH=/tmp/graphrelay-site:$root${PYTHONPATH:+:$PYTHONPATH}
 else
     export PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH}
@@ -52,11 +52,26 @@ step() {  # step NAME COMMAND...: run, log to OUT/NAME.log, note the result in t
     local name=$1; shift
     if [ -n "${GPU_CHECK_ONLY:-}" ] && [[ " $GPU_CHECK_ONLY " != *" $name "* ]]; then return 0; fi
     local start=$SECONDS
-    "$@" > "$out/$name.log" 2>&1
+    # GPU_CHECK_STEP_TIMEOUT=S bounds each step (a hung step must not eat the whole call)
+    if [ -n "${GPU_CHECK_STEP_TIMEOUT:-}" ]; then
+        timeout -k 10 "$GPU_CHECK_STEP_TIMEOUT" "$@" > "$out/$name.log" 2>&1
+    else
+        "$@" > "$out/$name.log" 2>&1
+    fi
     local rc=$?
     [ $rc -eq 0 ] || status=1
     echo "- $name: $([ $rc -eq 0 ] && echo ok || echo "FAILED (exit $rc)") in $((SECONDS - start)) s" >> "$out/summary.md"
     tail -n 3 "$out/$name.log" | sed 's/^/    /' >> "$out/summary.md"
+    archive
+}
+# GPU_CHECK_ARCHIVE=FILE.tgz: everything under OUT_DIR in one file (the device tool brings back
+# at most 8 files a call, and the check writes more), re-packed after every step so that a call
+# cut short by its time limit still brings back what finished.
+archive() {
+    if [ -n "${GPU_CHECK_ARCHIVE:-}" ]; then
+        tar czf "$GPU_CHECK_ARCHIVE.tmp" -C "$(dirname "$out")" "$(basename "$out")" \
+            && mv "$GPU_CHECK_ARCHIVE.tmp" "$GPU_CHECK_ARCHIVE" || status=1
+    fi
 }
 
 step gpu-tests "$py" -m pytest -q -s -m gpu -p no:cacheprovider --junitxml="$out/gpu-tests.xml" ${GPU_CHECK_PYTEST_ARGS:-}
@@ -93,9 +108,5 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
     fi
 fi
 cat "$out/summary.md"
-# GPU_CHECK_ARCHIVE=FILE.tgz: everything under OUT_DIR in one file (the device tool brings back
-# at most 8 files a call, and the check writes more).
-if [ -n "${GPU_CHECK_ARCHIVE:-}" ]; then
-    tar czf "$GPU_CHECK_ARCHIVE" -C "$(dirname "$out")" "$(basename "$out")" || status=1
-fi
+archive
 exit $status

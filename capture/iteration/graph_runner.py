@@ -132,6 +132,10 @@ class GraphRunner:
             torch.cuda.set_sync_debug_mode(previous)
         torch.cuda.current_stream(self.device).wait_stream(side)
 
+    def graph(self, bucket: int, variant: Optional[str] = None) -> Optional[torch.cuda.CUDAGraph]:
+        """The captured graph of `bucket` and `variant` (None: the last), or None when there is none."""
+        return self.graphs.get(bucket, {}).get(self.variants[-1] if variant is None else variant)
+
     def bucket(self, bs: int) -> Optional[int]:
         """The bucket a batch of `bs` runs in, or None when it exceeds the largest."""
         return bucket_for(self.buckets, bs)
@@ -153,7 +157,7 @@ class GraphRunner:
                 self._warned = True
             self._step(bs, variant)
             return bs
-        graph = self.graphs.get(padded, {}).get(variant)
+        graph = self.graph(padded, variant)
         if graph is None:
             self._step(padded, variant)
         else:

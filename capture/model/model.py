@@ -268,8 +268,8 @@ class LlamaModel:
     weights: real weights (e.g. `capture.checkpoint.read_gguf`), any float dtype on any device;
     they are cast to the config's dtype on `device`. None draws seeded random weights.
     attention_buckets: the (tokens, spans) shapes `forward` is captured at (the engine's token
-    buckets); on a GPU they size the attention's split scratch once (None: eager calls
-    allocate their own).
+    buckets); they size the attention's output once (and on a GPU its split scratch; None:
+    eager calls allocate their own).
     tp: this rank's place in a tensor-parallel group (`capture.tensor_parallel`): the model
     then holds its share of the heads and MLP columns (`self.shard`) and all-reduces after
     the O and down projections. `self.config` stays the whole model's.
@@ -304,6 +304,14 @@ class LlamaModel:
         if self.device.type == "cuda" and attention_buckets:
             self.attention_workspace = VarlenWorkspace.for_buckets(
                 attention_buckets, c.num_heads, c.num_kv_heads, c.head_dim, c.max_seq_len, self.device)
+        # Attention writes only the tokens its q-blocks cover. Padding tokens read what this
+        # buffer held: zeros, or an earlier real token's output, always finite, so a padding row
+        # never carries NaN from uninitialized memory into its logits, whose sampled id would
+        # then index the controls' tables out of range.
+        self.attention_out = None
+        if attention_buckets:
+            self.attention_out = torch.zeros(max(tokens for tokens, _ in attention_buckets), c.num_heads * c.head_dim,
+                                             dtype=c.torch_dtype, device=self.device)
         # K/V are read through a per-slot page table; this round it maps each slot to its own
         # contiguous range of the cache, so a paged cache can follow without a new kernel.
         self.block_table = identity_block_table(max_reqs + 1, c.max_seq_len, math.gcd(c.max_seq_len, PAGE),
@@ -346,10 +354,18 @@ class LlamaModel:
             return varlen_attention(
                 q, self.kv_cache.keys[index], self.kv_cache.values[index], self.block_table, slots, positions,
                 q_block_start, q_block_len, scale=self.scale, workspace=self.attention_workspace, q_block=q_block,
-                max_len=max_len, out=torch.empty(q.shape[0], c.num_heads * c.head_dim, dtype=q.dtype, device=q.device),
+                max_len=max_len, out=self._attention_out(q.shape[0]),
             )
 
         return self._forward(ids, slots, positions, attend, embedded)
+
+    def _attention_out(self, tokens: int) -> torch.Tensor:
+        """[tokens, heads * head_dim] for attention to write: the static buffer when it is large
+        enough, else a zeroed one (eager calls beyond the buckets)."""
+        if self.attention_out is not None and tokens <= self.attention_out.shape[0]:
+            return self.attention_out[:tokens]
+        c = self.shard
+        return torch.zeros(tokens, c.num_heads * c.head_dim, dtype=c.torch_dtype, device=self.device)
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """LM head over the rows that sample: [n, vocab] float32 (into `out` when given: the

@@ -78,10 +78,9 @@ def test_triton_logprobs_equal_torch_at_a_real_vocabulary_captured_with_no_host_
     torch.cuda.synchronize()
     assert_same_logprobs(logits, triton_channel, torch_channel, 0)
     graph = torch.cuda.CUDAGraph()
-    with HostSyncCounter(True) as syncs:
-        with torch.cuda.graph(graph):
-            triton_channel.write(row_slots, logits, tokens, iteration)
-    assert syncs.count == 0, f"capturing the write made {syncs.count} host syncs"
+    # A host sync inside the capture would fail it (global capture mode); the replays are counted.
+    with torch.cuda.graph(graph, capture_error_mode="global"):
+        triton_channel.write(row_slots, logits, tokens, iteration)
     for step in (1, 2, 3):
         logits.copy_(step_logits())
         tokens.random_(0, vocab)
@@ -139,6 +138,19 @@ def test_captured_controls_equal_eager_with_no_host_sync(spec):
             got = graphs.outputs[rid].logprobs
             assert [[t for t, _ in lp.top] for lp in got] == [[t for t, _ in lp.top] for lp in out.logprobs], rid
             assert [lp.logprob for lp in got] == pytest.approx([lp.logprob for lp in out.logprobs], rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_an_engine_over_nan_filled_memory_serves_as_eager_does(spec):
+    """The allocator hands out memory again as it was: filled with NaN here. Tokens a bucket
+    pads with must not pick it up (a NaN row's sampled id once indexed the grammar table out of
+    range in warm-up and crashed the engine); the captured run still equals the eager one."""
+    junk = torch.full((2**28,), float("nan"), device="cuda")
+    del junk  # back to the caching allocator, NaN and all
+    graphs = run(True, spec)
+    eager = run(False, spec)
+    assert graphs.stats.host_syncs == 0
+    assert {rid: out.tokens for rid, out in graphs.outputs.items()} == {rid: out.tokens for rid, out in eager.outputs.items()}
 
 
 @pytest.mark.parametrize("spec", [False, True])

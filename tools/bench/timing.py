@@ -97,7 +97,7 @@ def capture_steps(device: torch.device, step: Step, count: int) -> Callable[[], 
     # body raises) before capturing; on CPU it captures nothing and we call the body.
     runner = GraphRunner(body, [1], max_batch=1, device=device)
     runner.capture()
-    graph = runner.graphs.get(1)
+    graph = runner.graph(1)
     return graph.replay if graph is not None else (lambda: body(1))
 
 

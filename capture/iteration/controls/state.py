@@ -220,12 +220,16 @@ class SamplingControls:
         slots = row_slots.long()
         if emitted is None:
             emitted = slots != 0
+        # Rows not emitted (padding, rejected drafts) index as token 0 of state 0: whatever
+        # they sampled, never an index outside the tables.
+        tokens = torch.where(emitted, tokens.long(), 0)
+        states = torch.where(emitted, row_states.long(), 0)
         # Flat scatter-add: atomic adds, no sort and no sync (index_put_ with accumulate sorts).
-        self.tables.counts.view(-1).scatter_add_(0, slots * self.vocab_size + tokens.long(), emitted.to(torch.int32))
+        self.tables.counts.view(-1).scatter_add_(0, slots * self.vocab_size + tokens, emitted.to(torch.int32))
         ends_run = torch.ones_like(emitted)
         ends_run[:-1] = ~((slots[1:] == slots[:-1]) & emitted[1:])
         target = torch.where(emitted & ends_run, slots, self.max_reqs + 1)
-        advanced = self.grammar.next[row_states.long(), tokens.long()]
+        advanced = self.grammar.next[states, tokens]
         self.slot_state.index_copy_(0, target, advanced)
 
     def observe_prompt(self, token_slots: torch.Tensor, tokens: torch.Tensor) -> None:
