@@ -203,6 +203,23 @@ def test_greedy_rows_equal_argmax_whatever_the_cuts(backend):
     assert torch.equal(tokens, logits.argmax(-1)) and tokens[:3].tolist() == [7, 0, 0]
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_rows_of_nan_logits_still_give_ids_inside_the_vocabulary(temperature):
+    """A padding row's logits may hold NaN (uninitialized memory upstream): its token is
+    meaningless but must stay a valid id, since later kernels index tables by it. (Rows of
+    NaN only: tests/gpu/test_sampling_gpu.py; the interpreter refuses an all-NaN max.)"""
+    vocab = 100  # chunks of 32: the last one is mostly masked lanes
+    logits = random_logits(4, vocab)
+    logits[0, ::2] = float("nan")
+    logits[1, 1::3] = float("nan")
+    logits[2, 97:] = float("nan")
+    t, top_k, seeds, steps = rows(4, temperature=temperature, top_k=5)
+    out = torch.empty(4, dtype=torch.int64)
+    tokens = sample_triton(logits, t, top_k, None, seeds, steps, out, 8, chunk=32)
+    assert bool(((tokens >= 0) & (tokens < vocab)).all()), tokens.tolist()
+    assert tokens[3] == sample(logits[3:], t[3:], top_k[3:], seeds[3:], steps[3:], backend="torch")[0]
+
+
 def test_top_k_one_and_tiny_top_p_equal_greedy():
     logits = random_logits(16, 300)
     temperature, top_k, _, steps = rows(16, temperature=2.0, top_k=1)

@@ -155,7 +155,8 @@ def _chunk_kernel(
     x = tl.load(logits_ptr + row * logits_stride + offs, mask=live, other=float("-inf"))
     chunk_max, chunk_arg = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
     tl.store(chunk_max_ptr + slot, chunk_max)
-    tl.store(chunk_arg_ptr + slot, chunk * CHUNK + chunk_arg)
+    # Clamped: a NaN row's argmax may land on a masked lane, and no id may leave the vocabulary.
+    tl.store(chunk_arg_ptr + slot, tl.minimum(chunk * CHUNK + chunk_arg, vocab - 1))
     temperature, has_top_k, count, top_p = _row_cuts(
         temperature_ptr + row * temperature_stride, top_k_ptr + row * top_k_stride,
         top_p_ptr + row * top_p_stride, vocab, width, HAS_TOP_P)
@@ -232,7 +233,7 @@ def _gumbel_kernel(
             best_score, best_arg = tl.max(score, 0, return_indices=True, return_indices_tie_break_left=True)
             best_index = chunk * CHUNK + best_arg
     tl.store(score_ptr + row_first + chunk, best_score)
-    tl.store(score_arg_ptr + row_first + chunk, best_index)
+    tl.store(score_arg_ptr + row_first + chunk, tl.minimum(best_index, vocab - 1))
 
 
 @triton.jit(do_not_specialize_on_alignment=("temperature_ptr", "out_ptr"))
@@ -245,11 +246,12 @@ def _pick_kernel(temperature_ptr, temperature_stride, chunk_max_ptr, chunk_arg_p
     if tl.load(temperature_ptr + row * temperature_stride) > 0:
         values = tl.load(score_ptr + row * n_chunks + c, mask=live, other=float("-inf"))
         _, best = tl.max(values, 0, return_indices=True, return_indices_tie_break_left=True)
-        token = tl.load(score_arg_ptr + row * n_chunks + best)
+        # A row of NaN logits may point the max at a masked lane: stay among the row's chunks.
+        token = tl.load(score_arg_ptr + row * n_chunks + tl.minimum(best, n_chunks - 1))
     else:
         values = tl.load(chunk_max_ptr + row * n_chunks + c, mask=live, other=float("-inf"))
         _, best = tl.max(values, 0, return_indices=True, return_indices_tie_break_left=True)
-        token = tl.load(chunk_arg_ptr + row * n_chunks + best)
+        token = tl.load(chunk_arg_ptr + row * n_chunks + tl.minimum(best, n_chunks - 1))
     tl.store(out_ptr + row * out_stride, token.to(tl.int64))
 
 

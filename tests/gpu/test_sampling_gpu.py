@@ -79,3 +79,20 @@ def test_captured_sampler_replays_equal_eager():
         eager = call(logits, params, "triton", MAX_TOP_K)
         assert torch.equal(out, eager), f"replay {replay}: rows {(out != eager).nonzero().flatten().tolist()} differ"
         assert torch.equal(out, call(logits, params, "torch", MAX_TOP_K)), f"replay {replay}: differs from torch"
+
+
+def test_rows_of_nan_logits_give_ids_inside_the_vocabulary():
+    """A row of NaN logits (a padding row reading uninitialized memory) samples a meaningless
+    but valid id, greedy or not: later kernels index the controls' tables and the logits by it.
+    Rows without NaN beside it sample what they sample alone."""
+    bs = 64
+    gen = torch.Generator().manual_seed(3)
+    logits = (4 * torch.randn(bs, VOCAB, generator=gen)).cuda()
+    params = random_params(bs, gen)
+    clean = call(logits, params, "triton", MAX_TOP_K).clone()
+    logits[::2] = float("nan")
+    logits[1::4, VOCAB - 5 :] = float("nan")
+    tokens = call(logits, params, "triton", MAX_TOP_K)
+    assert bool(((tokens >= 0) & (tokens < VOCAB)).all()), tokens.tolist()
+    untouched = torch.arange(bs, device="cuda") % 4 == 3
+    assert torch.equal(tokens[untouched], clean[untouched])

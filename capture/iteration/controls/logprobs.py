@@ -86,7 +86,7 @@ def _chunk_kernel(logits_ptr, logits_stride, max_ptr, sum_ptr, cand_values_ptr, 
 @triton.jit
 def _row_kernel(logits_ptr, logits_stride, tokens_ptr, row_slots_ptr, iteration_ptr, max_ptr, sum_ptr,
                 cand_values_ptr, cand_ids_ptr, stamps_ptr, counts_ptr, slots_ptr, values_ptr, ids_ptr,
-                n, chunks, depth, max_rows,
+                n, chunks, depth, max_rows, vocab,
                 WIDTH: tl.constexpr, CHUNKS_BLOCK: tl.constexpr, WIDTH_BLOCK: tl.constexpr):
     row = tl.program_id(0)
     iteration = tl.load(iteration_ptr)
@@ -103,7 +103,8 @@ def _row_kernel(logits_ptr, logits_stride, tokens_ptr, row_slots_ptr, iteration_
     inside = (c[:, None] < chunks) & (j[None, :] < WIDTH)
     cand = tl.load(cand_values_ptr + at, mask=inside, other=float("-inf"))
     cand_ids = tl.load(cand_ids_ptr + at, mask=inside, other=-1)
-    token = tl.load(tokens_ptr + row).to(tl.int64)
+    # Clamped into the vocabulary: a padding row's token is whatever its logits gave.
+    token = tl.minimum(tl.maximum(tl.load(tokens_ptr + row).to(tl.int64), 0), vocab - 1)
     out = ring_slot * max_rows + row
     tl.store(values_ptr + out * (1 + WIDTH), tl.load(logits_ptr + row * logits_stride + token).to(tl.float32) - lse)
     # The candidates' ids are distinct (chunks do not overlap); -1 marks a chunk's empty round.
@@ -161,7 +162,7 @@ class LogprobChannel:
         d = self.dev
         _row_kernel[(n,)](logits, logits.stride(0), tokens, row_slots, iteration, self._chunk_max, self._chunk_sum,
                           self._cand_values, self._cand_ids, d["stamps"], d["counts"], d["slots"], d["values"], d["ids"],
-                          n, self.chunks, self.depth, self.max_rows, WIDTH=self.width,
+                          n, self.chunks, self.depth, self.max_rows, vocab, WIDTH=self.width,
                           CHUNKS_BLOCK=triton.next_power_of_2(self.chunks), WIDTH_BLOCK=triton.next_power_of_2(self.width))
 
     def read(self, read: MirrorRead) -> list[TokenLogprobs]:
