@@ -146,3 +146,18 @@ def test_bad_options_exit_2_with_one_line(argv, message, capsys, tmp_path):
 
 def test_no_gpu_without_smoke_exits_2(capsys, tmp_path):
     assert_needs_gpu("json", capsys, tmp_path)
+
+
+def test_the_table_leaves_out_schemas_no_request_used(smoke):
+    """`--requests 2` compiles two of the five schemas: the table lists the used ones only
+    (it once looked the others up among the compiled grammars and crashed after the runs)."""
+    _, report = smoke
+    used = "person"
+    trimmed = json.loads(json.dumps(report))
+    trimmed["grammars"]["schemas"] = {used: report["grammars"]["schemas"][used]}
+    for run in trimmed["runs"].values():
+        for name, counts in run["per_schema"].items():
+            if name != used:
+                counts.update(requests=0, parses=0, valid=0, length=0, tokens=0)
+    text = json_bench.table(trimmed)
+    assert f"none / {used}" in text and "none / order" not in text

@@ -272,6 +272,8 @@ def table(report: dict[str, Any]) -> str:
     rows = []
     for mode, run in report["runs"].items():
         for name, c in run["per_schema"].items():
+            if not c["requests"]:  # fewer requests than schemas: this one was never compiled
+                continue
             rows.append([f"{mode} / {name}", str(c["requests"]), str(c["parses"]), str(c["valid"]), str(c["length"]),
                          f"{c['tokens'] / max(1, c['requests']):.0f}", str(grammars[name]["states"]),
                          f"{grammars[name]['compile_s']:.2f}"])
