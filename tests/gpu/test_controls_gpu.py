@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from graphrelay.capture.iteration.controls.grammar import GrammarCompiler, vocabulary
+from graphrelay.capture.iteration.controls.grammar import GrammarCompiler, made_up_token_strings, vocabulary
 from graphrelay.capture.iteration.controls.logprobs import LogprobChannel
 from graphrelay.capture.iteration.controls.params import ControlParams
 from graphrelay.capture.iteration.controls.state import ControlsConfig, SamplingControls
@@ -176,3 +176,34 @@ def test_a_schedule_switching_variants_replays_both_graphs_as_eager_runs_them(sp
             assert [lp.top[0][0] for lp in logprobs] == [lp.top[0][0] for lp in want_logprobs], f"iteration {n}"
             assert [lp.logprob for lp in logprobs] == pytest.approx([lp.logprob for lp in want_logprobs], rel=1e-4,
                                                                     abs=1e-5), f"iteration {n}"
+
+
+def test_a_speculative_engine_with_grammars_serves_after_an_earlier_engine_at_bench_json_size():
+    """`bench json`'s shape without its model file: SmolLM2's architecture (random weights, a
+    made-up text vocabulary of its 49,152 tokens), 64 slots, every request constrained, one
+    engine without speculation served and dropped, then one with n-gram speculation built,
+    captured and served in the same process. On the H200 that second engine once hit an illegal
+    memory access in its first warm-up step; every output must match its regex, with no host
+    sync."""
+    import re
+
+    config = ModelConfig.preset("smollm2-135m")
+    strings = made_up_token_strings(config.vocab_size)
+    compiler = GrammarCompiler(vocabulary(strings, EOS), config.vocab_size)
+    base = SyntheticWorkload(num_requests=24, prompt_len=(16, 64), output_len=(24, 24), vocab_size=config.vocab_size,
+                             seed=5).requests()
+    requests = [msgspec_replace(r, stop_tokens=(EOS,), sampling=SamplingParams(temperature=0.7 * (i % 2), seed=i),
+                                controls=ControlParams(regex=REGEX)) for i, r in enumerate(base)]
+    for spec in (None, SpecConfig(k=4)):
+        engine = Engine(EngineConfig(config, max_reqs=64, max_batch=64, device="cuda", spec=spec,
+                                     controls=ControlsConfig(grammar_states=2048)))
+        engine.controls.set_compiler(compiler)
+        engine.capture()
+        result = ServingLoop(engine, "overlap").run(requests)
+        assert result.stats.host_syncs == 0
+        finished = [result.outputs[r.id] for r in requests if result.outputs[r.id].finish_reason == "stop"]
+        assert len(finished) >= len(requests) // 2, "the regex's matches fit in 24 tokens: most must end"
+        for out in finished:
+            text = "".join(strings[t] or "" for t in out.tokens if t != EOS)
+            assert re.fullmatch(REGEX, text), (spec, text)
+        del engine, result
