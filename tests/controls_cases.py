@@ -86,18 +86,21 @@ def run_schedule(engine: Engine, lag: int) -> list[tuple[list[int], list[int], l
 
 def assert_same_logprobs(logits, got, want, ring_slot: int) -> None:
     """Two LogprobChannels written from the same `logits` hold the same ring slot: stamps and
-    counts (all slots) and the row slots equal; values within 1e-6 relative, relative to the
-    row's logsumexp where it is larger (a value near 0 is a difference of two numbers that
-    size, and the two logsumexps sum in different orders: a few ulps apart); on ties the top's
+    counts (all slots), the row slots and which rows asked equal; for the rows that asked (both
+    compute those), values within 1e-6 relative, relative to the row's logsumexp where it is
+    larger (a value near 0 is a difference of two numbers that size, and the two logsumexps
+    sum in different orders: a few ulps apart); on ties the top's
     order is free, so each got id must be distinct and hold the logit the wanted id of its rank
     holds, and equal the wanted id where the wanted value is held by one logit only."""
     for name in ("stamps", "counts"):
         assert torch.equal(got.host[name], want.host[name]), name
     n = int(want.host["counts"][ring_slot])
-    assert torch.equal(got.host["slots"][ring_slot, :n], want.host["slots"][ring_slot, :n])
-    rows = logits[:n].float().cpu()
-    got_values, want_values = got.host["values"][ring_slot, :n], want.host["values"][ring_slot, :n]
-    got_ids, want_ids = got.host["ids"][ring_slot, :n], want.host["ids"][ring_slot, :n]
+    for name in ("slots", "asked"):
+        assert torch.equal(got.host[name][ring_slot, :n], want.host[name][ring_slot, :n]), name
+    asked = want.host["asked"][ring_slot, :n].bool()
+    rows = logits[:n].float().cpu()[asked]
+    got_values, want_values = got.host["values"][ring_slot, :n][asked], want.host["values"][ring_slot, :n][asked]
+    got_ids, want_ids = got.host["ids"][ring_slot, :n][asked], want.host["ids"][ring_slot, :n][asked]
     lse = torch.logsumexp(rows, dim=1, keepdim=True)
 
     def assert_close(got_v, want_v):

@@ -143,6 +143,8 @@ def test_rows_not_emitted_may_carry_any_token_and_state_and_change_nothing():
 def test_logprobs_equal_log_softmax_topk():
     torch.manual_seed(2)
     c = controls()
+    for slot in (1, 2):  # admitted asking: only such slots' rows are read
+        c.admit(slot, ControlParams(logprobs=20), (), [3])
     logits = torch.randn(3, VOCAB) * 2
     tokens = torch.tensor([4, 0, 69])
     slots = torch.tensor([1, 0, 2])

@@ -1,6 +1,7 @@
 """The logprob channel's Triton write (TRITON_INTERPRET=1 on CPU) against the torch reference:
 the same ring contents over shapes, vocabularies not a multiple of the chunk, many ties and
--inf logits; and the Triton path's tie rule (lowest token id first)."""
+-inf logits; the Triton path's tie rule (lowest token id first); and rows whose slot did not
+ask: skipped by Triton, read as None from both."""
 
 from __future__ import annotations
 
@@ -10,19 +11,30 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from graphrelay.capture.iteration.controls.logprobs import CHUNK, LogprobChannel
+from graphrelay.capture.iteration.controls.params import ControlParams
 from graphrelay.capture.iteration.controls.state import ControlsConfig, SamplingControls
+from graphrelay.mirror import MirrorRead
 from controls_cases import assert_same_logprobs
 
 DEPTH, MAX_ROWS = 3, 6
 
 
-def write_both(logits, tokens, row_slots, iteration: int, width: int, max_rows: int = MAX_ROWS):
-    """(triton, torch) channels after one write of the rows at mirror iteration `iteration`."""
+def write_both(logits, tokens, row_slots, iteration: int, width: int, max_rows: int = MAX_ROWS, wants=None):
+    """(triton, torch) channels after one write of the rows at mirror iteration `iteration`;
+    the ring's values start as nan (what a row not computed keeps)."""
     channels = [LogprobChannel(max_rows, DEPTH, torch.device("cpu"), logits.shape[1], backend, width)
                 for backend in ("triton", "torch")]
     for c in channels:
-        c.write(row_slots, logits, tokens, torch.tensor([iteration]))
+        c.host["values"].fill_(float("nan"))
+        c.write(row_slots, logits, tokens, torch.tensor([iteration]), wants)
     return channels
+
+
+def read_at(iteration: int) -> MirrorRead:
+    """A mirror read of `iteration` (the channel's read takes only its iteration)."""
+    empty = torch.zeros(0, dtype=torch.int64)
+    return MirrorRead(iteration=iteration, slots=empty, generation=empty, tokens=empty, seq_lens=empty,
+                      stale=torch.zeros(0, dtype=torch.bool))
 
 
 def stable_top_ids(logits, width):
@@ -84,14 +96,54 @@ def test_minus_inf_logits_and_chunks_with_no_finite_logit():
     torch.testing.assert_close(values[1, 1:4].exp().sum(), torch.tensor(1.0))  # the 3 finite hold it all
 
 
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, MAX_ROWS), iteration=st.integers(0, 7))
+def test_rows_whose_slot_does_not_want_logprobs_are_skipped_and_read_none(seed, n, iteration):
+    """A batch mixing slots that want logprobs, slots that do not and padding: the asking rows
+    equal the torch reference (which computes every row); the others are marked not asked in
+    both, Triton computed nothing for them (their chunk results and ring values keep nan),
+    and both read None for them, the same TokenLogprobs for the others."""
+    g = torch.Generator().manual_seed(seed)
+    vocab, width = 2 * CHUNK + 300, 5
+    logits = torch.randn(n, vocab, generator=g) * 4
+    tokens = torch.randint(0, vocab, (n,), generator=g)
+    row_slots = torch.randint(0, 5, (n,), generator=g, dtype=torch.int32)
+    wants = torch.tensor([0, 1, 0, 1, 0], dtype=torch.int32)  # slots 1 and 3 asked; 0 is padding
+    triton_channel, torch_channel = write_both(logits, tokens, row_slots, iteration, width, wants=wants)
+    ring_slot = iteration % DEPTH
+    asked = wants[row_slots.long()].bool()
+    assert torch.equal(torch_channel.host["asked"][ring_slot, :n].bool(), asked)
+    assert_same_logprobs(logits, triton_channel, torch_channel, ring_slot)
+    assert triton_channel.host["values"][ring_slot, :n][~asked].isnan().all()
+    assert not torch_channel.host["values"][ring_slot, :n].isnan().any()  # the reference computes every row
+    skipped = LogprobChannel(MAX_ROWS, DEPTH, torch.device("cpu"), vocab, "triton", width)
+    skipped._chunk_max.fill_(float("nan"))
+    skipped.write(row_slots, logits, tokens, torch.tensor([iteration]), wants)
+    assert skipped._chunk_max[:n][~asked].isnan().all() and not skipped._chunk_max[:n][asked].isnan().any()
+    got, want = triton_channel.read(read_at(iteration)), torch_channel.read(read_at(iteration))
+    real = row_slots != 0
+    assert [lp is not None for lp in got] == [lp is not None for lp in want] == asked[real].tolist()
+    for a, b in zip(got, want):
+        if a is not None:
+            assert a.logprob == pytest.approx(b.logprob, rel=1e-5, abs=1e-5)
+            assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], rel=1e-5, abs=1e-5)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_controls_backend_picks_the_channel_write(backend):
+def test_controls_backend_picks_the_channel_write_for_the_slots_admitted_asking(backend):
+    """SamplingControls flags a slot at admission (re-admission resets it): slot 1 asks, slot
+    2 uses another control, so only slot 1's row reads logprobs (the log-softmax)."""
     c = SamplingControls(ControlsConfig(backend=backend), max_reqs=2, vocab_size=300, max_rows=2, device="cpu")
     assert c.logprobs.backend == backend
+    c.admit(2, ControlParams(logprobs=1), (), [3])
+    c.admit(2, ControlParams(presence_penalty=0.5), (), [3])
+    c.admit(1, ControlParams(logprobs=2), (), [4])
     torch.manual_seed(1)
     logits = torch.randn(2, 300)
     c.write_logprobs(torch.tensor([1, 2]), logits, torch.tensor([7, 8]), torch.zeros(1, dtype=torch.int64))
-    torch.testing.assert_close(c.logprobs.host["values"][0, :2, 0], torch.log_softmax(logits, 1)[[0, 1], [7, 8]])
+    asking, other = c.logprobs.read(read_at(0))
+    assert other is None
+    assert asking.logprob == pytest.approx(float(torch.log_softmax(logits, 1)[0, 7]), rel=1e-5)
 
 
 def test_triton_write_refuses_logits_it_was_not_sized_for():

@@ -29,11 +29,12 @@ MODEL = ModelConfig.preset("tiny")
 
 
 
-def make_engine(mode: str, device: str, controls=True, spec=None, grammar_states=512) -> Engine:
+def make_engine(mode: str, device: str, controls=True, spec=None, grammar_states=512, backend=None) -> Engine:
     engine = Engine(EngineConfig(
         MODEL, max_reqs=6, max_batch=4, device=device, use_graphs=mode != "eager", max_tokens=32, buckets=(32,),
         spec=spec,
-        controls=ControlsConfig(max_bias=4, max_stop=2, grammar_states=grammar_states) if controls else None,
+        controls=ControlsConfig(max_bias=4, max_stop=2, grammar_states=grammar_states, backend=backend)
+        if controls else None,
     ))
     if controls:
         engine.controls.set_compiler(GrammarCompiler(vocabulary(STRINGS, EOS), MODEL.vocab_size))
@@ -104,6 +105,26 @@ def test_logprobs_equal_the_models_log_softmax(device):
             assert [t for t, _ in lp.top] == ref.topk(3).indices.tolist()
             assert [v for _, v in lp.top] == pytest.approx(ref.topk(3).values.tolist(), rel=1e-3, abs=1e-4)
             seq.append(token)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_logprobs_of_requests_that_asked_are_the_same_beside_requests_that_did_not(backend, device):
+    """Two requests ask for logprobs; beside them, a controlled request that does not ask (its
+    rows run the controls variant, their logprobs skipped) and an uncontrolled one. The asking
+    requests get the same tokens and logprobs as when served alone, the others get none."""
+    requests = base_requests(4)
+    asking = [with_controls(r, logprobs=3) for r in requests[:2]]
+    others = [with_controls(requests[2], presence_penalty=1.0), requests[3]]
+
+    def run(batch):
+        return ServingLoop(make_engine("overlap", device, backend=backend), "overlap").run(batch).outputs
+
+    alone, mixed = run(asking), run(asking + others)
+    for r in asking:
+        assert mixed[r.id].tokens == alone[r.id].tokens, r.id
+        assert len(mixed[r.id].logprobs) == len(mixed[r.id].tokens)
+        assert mixed[r.id].logprobs == alone[r.id].logprobs, r.id
+    assert all(mixed[r.id].logprobs is None for r in others)
 
 
 def grammar_requests(sampling):

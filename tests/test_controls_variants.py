@@ -83,6 +83,8 @@ def test_every_control_and_the_logprobs_stay_exact_across_plain_iterations(lag):
             assert logprobs is None, f"iteration {n} ran plain: it wrote no logprobs"
         else:
             assert logprobs == want_logprobs, f"iteration {n}"
+            # Only slot 2 asked: the engine reports no logprobs for the other rows.
+            assert [lp is not None for lp in logprobs] == [s == 2 for s in slots], f"iteration {n}"
     # The schedule proves something: min_tokens held the biased EOS back, then let it out.
     emitted_4 = [t for slots, tokens, _ in got for s, t in zip(slots, tokens) if s == 4]
     assert EOS not in emitted_4[:3] and EOS in emitted_4

@@ -271,9 +271,10 @@ class Engine:
         self._require_engine_stream("admit_controls")
         self.controls.admit(slot, params, stop_tokens, prompt)
 
-    def read_logprobs(self, read: MirrorRead) -> Optional[list[TokenLogprobs]]:
-        """The logprobs of `read`'s rows (before `fresh()`), or None without them: an engine
-        without logprobs, or an iteration that ran plain (no request in it asked)."""
+    def read_logprobs(self, read: MirrorRead) -> Optional[list[Optional[TokenLogprobs]]]:
+        """The logprobs of `read`'s rows (before `fresh()`; None for a row whose request did not
+        ask: not computed), or None without them: an engine without logprobs, or an iteration
+        that ran plain (no request in it asked)."""
         if self.controls is None or self.controls.logprobs is None:
             return None
         if not self._controlled[read.iteration % self.config.mirror_depth]:

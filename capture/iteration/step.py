@@ -7,7 +7,7 @@
         -> model layers over all T tokens (prefill chunks, decode rows, verify spans)
         -> LM head only at the sampled rows -> [controls: penalties, bias, min_tokens, grammar]
         -> sampling -> [speculation: accept the leading drafts the target agrees with]
-        -> [controls: counts, automaton states, logprobs of the emitted rows]
+        -> [controls: counts, automaton states, logprobs of the emitted rows that asked]
         -> relay stash + publish -> host-mirror write (one launch on CUDA for a plain step:
         `capture.kernels.iteration_epilogue`; two, plus their glue, otherwise)
 
@@ -165,7 +165,7 @@ class IterationStep:
         self.relay.stash_and_publish(reported, payload, new_seq_lens)
         limit = counts if self.spec is None else counts[:, None]
         emitted = (v.row_live.view(R, per) != 0) & (self.columns[None, :] < limit)
-        if controls is not None:  # counts, states and logprobs of the emitted rows
+        if controls is not None:  # counts, states, and logprobs of the emitted rows that asked
             # Before the mirror write: the logprobs go to the ring slot of the iteration the
             # mirror's counter holds, which that write then advances.
             controls.after_sample(row_slots, raw_logits, target, row_states, self.mirror.device_ring[1],

@@ -308,6 +308,8 @@ class _Run:
         live.token_times_ms.append(now * 1e3)
         self.tokens += 1
         wanted = live.request.controls.logprobs if live.request.controls is not None else None
+        # Only a request that asked has its rows' logprobs (admission flagged its slot): the
+        # other rows read None, their logprobs not computed.
         if wanted is not None:
             live.logprobs.append(TokenLogprobs(logprobs.logprob, logprobs.top[:wanted]))
         request = live.request

@@ -1,8 +1,11 @@
 """Logprobs of the sampled token and the top MAX_LOGPROBS, carried to the host like the tokens.
 
 Semantics: the model's raw distribution, log_softmax of the logits before penalties, bias,
-grammar masks and temperature (vLLM's default, "raw logprobs"). Every row gets all
-MAX_LOGPROBS; the host keeps the n its request asked for.
+grammar masks and temperature (vLLM's default, "raw logprobs"). A row whose request asked
+gets all MAX_LOGPROBS (the host keeps the n it asked for); `write` takes a per-slot `wants`
+table so that the others cost (almost) nothing: the controls variant runs for any control in
+use, and the logprob work would otherwise be paid by every row of it. The ring marks each
+row `asked`, and `read` reports None for the rows that did not.
 
 `LogprobChannel` is a second host mirror beside `graphrelay.mirror.HostMirror`: a ring of
 `depth` iterations in mapped pinned memory, written by the captured step at ring slot
@@ -15,13 +18,18 @@ mirror's read of i returned (the same stream wrote both, the channel first).
 
 On CUDA (or ControlsConfig.backend "triton") `write` is two Triton launches writing the ring
 directly: per (row, vocabulary chunk) the chunk's max, sum of exp and local top `width`, then
-per row the combined logsumexp and the top `width` of the candidates. The torch ops
+per row the combined logsumexp and the top `width` of the candidates; a row that did not ask
+returns at once from the first and writes only its ring bookkeeping in the second. The torch
+ops
 (`logprob_rows`, a topk over the whole vocabulary plus several small ops, each a graph node)
-stay as the CPU path and the reference. On exact ties the Triton path takes the lowest token
+stay as the CPU path and the reference: they compute every row, and mark the same rows
+`asked`. On exact ties the Triton path takes the lowest token
 id first; torch.topk's order among ties is unspecified.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import msgspec
 import torch
@@ -67,9 +75,23 @@ def _top_of(x, ids, alive, out_values, out_ids, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def _chunk_kernel(logits_ptr, logits_stride, max_ptr, sum_ptr, cand_values_ptr, cand_ids_ptr, vocab, chunks,
-                  WIDTH: tl.constexpr, CHUNK: tl.constexpr):
+def _asks(row_slots_ptr, wants_ptr, row):
+    """Whether the row's slot wants logprobs (without a `wants` table, None: every row)."""
+    # A static branch, each side assigning: the compiler would still build a load from None
+    # after an early return.
+    if wants_ptr is None:
+        asks = tl.full((), 1, tl.int1)
+    else:
+        asks = tl.load(wants_ptr + tl.load(row_slots_ptr + row)) != 0
+    return asks
+
+
+@triton.jit
+def _chunk_kernel(logits_ptr, logits_stride, row_slots_ptr, wants_ptr, max_ptr, sum_ptr, cand_values_ptr,
+                  cand_ids_ptr, vocab, chunks, WIDTH: tl.constexpr, CHUNK: tl.constexpr):
     row = tl.program_id(0)
+    if not _asks(row_slots_ptr, wants_ptr, row):
+        return  # the row kernel reads none of this row's chunk results
     chunk = tl.program_id(1)
     ids = chunk * CHUNK + tl.arange(0, CHUNK).to(tl.int64)
     valid = ids < vocab
@@ -84,13 +106,23 @@ def _chunk_kernel(logits_ptr, logits_stride, max_ptr, sum_ptr, cand_values_ptr, 
 
 
 @triton.jit
-def _row_kernel(logits_ptr, logits_stride, tokens_ptr, row_slots_ptr, iteration_ptr, max_ptr, sum_ptr,
-                cand_values_ptr, cand_ids_ptr, stamps_ptr, counts_ptr, slots_ptr, values_ptr, ids_ptr,
+def _row_kernel(logits_ptr, logits_stride, tokens_ptr, row_slots_ptr, wants_ptr, iteration_ptr, max_ptr, sum_ptr,
+                cand_values_ptr, cand_ids_ptr, stamps_ptr, counts_ptr, slots_ptr, asked_ptr, values_ptr, ids_ptr,
                 n, chunks, depth, max_rows, vocab,
                 WIDTH: tl.constexpr, CHUNKS_BLOCK: tl.constexpr, WIDTH_BLOCK: tl.constexpr):
     row = tl.program_id(0)
     iteration = tl.load(iteration_ptr)
     ring_slot = iteration % depth
+    out = ring_slot * max_rows + row
+    # Every row's bookkeeping, asked or not: the host reader finds its rows by these.
+    asks = _asks(row_slots_ptr, wants_ptr, row)
+    tl.store(slots_ptr + out, tl.load(row_slots_ptr + row).to(tl.int64))
+    tl.store(asked_ptr + out, asks.to(tl.int32))
+    if row == 0:
+        tl.store(counts_ptr + ring_slot, n)
+        tl.store(stamps_ptr + ring_slot, iteration)
+    if not asks:
+        return  # its chunk results were not written; its values and ids are never read
     c = tl.arange(0, CHUNKS_BLOCK)
     m = tl.load(max_ptr + row * chunks + c, mask=c < chunks, other=float("-inf"))
     s = tl.load(sum_ptr + row * chunks + c, mask=c < chunks, other=0.0)
@@ -105,14 +137,9 @@ def _row_kernel(logits_ptr, logits_stride, tokens_ptr, row_slots_ptr, iteration_
     cand_ids = tl.load(cand_ids_ptr + at, mask=inside, other=-1)
     # Clamped into the vocabulary: a padding row's token is whatever its logits gave.
     token = tl.minimum(tl.maximum(tl.load(tokens_ptr + row).to(tl.int64), 0), vocab - 1)
-    out = ring_slot * max_rows + row
     tl.store(values_ptr + out * (1 + WIDTH), tl.load(logits_ptr + row * logits_stride + token).to(tl.float32) - lse)
     # The candidates' ids are distinct (chunks do not overlap); -1 marks a chunk's empty round.
     _top_of(cand - lse, cand_ids, cand_ids >= 0, values_ptr + out * (1 + WIDTH) + 1, ids_ptr + out * WIDTH, WIDTH)
-    tl.store(slots_ptr + out, tl.load(row_slots_ptr + row).to(tl.int64))
-    if row == 0:
-        tl.store(counts_ptr + ring_slot, n)
-        tl.store(stamps_ptr + ring_slot, iteration)
 
 
 class LogprobChannel:
@@ -120,6 +147,7 @@ class LogprobChannel:
                  width: int = MAX_LOGPROBS):
         self.depth, self.max_rows, self.width, self.vocab, self.backend = depth, max_rows, width, vocab, backend
         fields = [("stamps", torch.int64, (depth,)), ("counts", torch.int64, (depth,)), ("slots", torch.int64, (depth, max_rows)),
+                  ("asked", torch.int32, (depth, max_rows)),
                   ("values", torch.float32, (depth, max_rows, 1 + width)), ("ids", torch.int64, (depth, max_rows, width))]
         offsets, end = [], 0
         for _, dtype, shape in fields:
@@ -136,38 +164,46 @@ class LogprobChannel:
             self._cand_ids = torch.empty((max_rows, self.chunks, width), dtype=torch.int64, device=device)
         self.reset()
 
-    def write(self, row_slots: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor, iteration: torch.Tensor) -> None:
+    def write(self, row_slots: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor, iteration: torch.Tensor,
+              wants: Optional[torch.Tensor] = None) -> None:
         """Capturable: compute the rows' logprobs and write them at ring slot iteration % depth,
-        stamped `iteration` ([1] int64 on the device: the mirror's counter, not yet advanced)."""
+        stamped `iteration` ([1] int64 on the device: the mirror's counter, not yet advanced).
+        wants: int32 per slot (indexed by `row_slots`), nonzero where its request asked; None:
+        every row asked."""
         if self.backend == "triton":
-            self._write_triton(row_slots, logits, tokens, iteration)
+            self._write_triton(row_slots, logits, tokens, iteration, wants)
             return
         n = row_slots.shape[0]
         values, ids = logprob_rows(logits, tokens, self.width)
         ring_slot = iteration.remainder(self.depth)
         self.dev["slots"][:, :n].index_copy_(0, ring_slot, row_slots.long()[None])
+        asked = torch.ones_like(row_slots, dtype=torch.int32) if wants is None else wants.index_select(0, row_slots)
+        self.dev["asked"][:, :n].index_copy_(0, ring_slot, asked[None])
         self.dev["values"][:, :n].index_copy_(0, ring_slot, values[None])
         self.dev["ids"][:, :n].index_copy_(0, ring_slot, ids[None])
         self.dev["counts"].index_fill_(0, ring_slot, n)
         self.dev["stamps"].index_copy_(0, ring_slot, iteration)
 
-    def _write_triton(self, row_slots, logits, tokens, iteration) -> None:
+    def _write_triton(self, row_slots, logits, tokens, iteration, wants) -> None:
         """Two launches, no torch ops and no temporaries. logits [n, vocab] with unit column stride."""
         n, vocab = logits.shape
         if vocab != self.vocab or n > self.max_rows or logits.stride(1) != 1:
             raise ValueError(f"LogprobChannel: logits {tuple(logits.shape)} (strides {logits.stride()}) must be "
                              f"[<= {self.max_rows}, {self.vocab}] with contiguous rows")
-        _chunk_kernel[(n, self.chunks)](logits, logits.stride(0), self._chunk_max, self._chunk_sum, self._cand_values,
-                                        self._cand_ids, vocab, self.chunks, WIDTH=self.width, CHUNK=CHUNK)
+        _chunk_kernel[(n, self.chunks)](logits, logits.stride(0), row_slots, wants, self._chunk_max, self._chunk_sum,
+                                        self._cand_values, self._cand_ids, vocab, self.chunks, WIDTH=self.width,
+                                        CHUNK=CHUNK)
         d = self.dev
-        _row_kernel[(n,)](logits, logits.stride(0), tokens, row_slots, iteration, self._chunk_max, self._chunk_sum,
-                          self._cand_values, self._cand_ids, d["stamps"], d["counts"], d["slots"], d["values"], d["ids"],
+        _row_kernel[(n,)](logits, logits.stride(0), tokens, row_slots, wants, iteration, self._chunk_max,
+                          self._chunk_sum, self._cand_values, self._cand_ids, d["stamps"], d["counts"], d["slots"],
+                          d["asked"], d["values"], d["ids"],
                           n, self.chunks, self.depth, self.max_rows, vocab, WIDTH=self.width,
                           CHUNKS_BLOCK=triton.next_power_of_2(self.chunks), WIDTH_BLOCK=triton.next_power_of_2(self.width))
 
-    def read(self, read: MirrorRead) -> list[TokenLogprobs]:
-        """The rows of the mirror's `read` (padding dropped, same order), before `fresh()`;
-        call after the mirror returned `read` (its iteration finished)."""
+    def read(self, read: MirrorRead) -> list[Optional[TokenLogprobs]]:
+        """The rows of the mirror's `read` (padding dropped, same order), before `fresh()`, None
+        for a row whose slot did not want logprobs (its values were not computed); call after
+        the mirror returned `read` (its iteration finished)."""
         ring_slot = read.iteration % self.depth
         stamp = int(self.host["stamps"][ring_slot])
         if stamp != read.iteration:
@@ -175,9 +211,10 @@ class LogprobChannel:
                                "write it before the mirror's write of the same iteration and reset both together")
         slots = self.host["slots"][ring_slot, : int(self.host["counts"][ring_slot])]
         rows = (slots != 0).nonzero().flatten()
+        asked = self.host["asked"][ring_slot, rows].tolist()
         values = self.host["values"][ring_slot, rows].tolist()
         ids = self.host["ids"][ring_slot, rows].tolist()
-        return [TokenLogprobs(v[0], list(zip(i, v[1:]))) for v, i in zip(values, ids)]
+        return [TokenLogprobs(v[0], list(zip(i, v[1:]))) if a else None for a, v, i in zip(asked, values, ids)]
 
     def reset(self) -> None:
         """With the mirror's reset (after warm-up and capture, the device idle)."""

@@ -38,7 +38,8 @@ class ControlsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Static widths. max_bias: logit_bias entries per request; max_stop: stop tokens a
     min_tokens request may mask (both powers of two: Triton vector widths); grammar_states:
     automaton rows in the shared pool (row 0 is reserved); logprobs: compute and carry them
-    (a static choice: the graph computes them for every row when on)."""
+    (a static choice: the graph holds the logprob work when on, and pays it per row whose
+    request asked)."""
 
     max_bias: int = 32
     max_stop: int = 8
@@ -86,6 +87,8 @@ class SamplingControls:
         self.slot_state = torch.zeros(slots + 1, dtype=torch.int32, device=self.device)
         self.states_out = torch.zeros(max_rows, dtype=torch.int32, device=self.device)
         self.logits_out = torch.zeros((max_rows, vocab_size), dtype=torch.float32, device=self.device)
+        # Per slot, 1 where its request asked for logprobs: the channel skips the other rows.
+        self.wants_logprobs = torch.zeros(slots, dtype=torch.int32, device=self.device)
         backend = config.backend or ("triton" if self.device.type == "cuda" else "torch")
         if backend == "triton" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("ControlsConfig.backend 'triton' on a CPU needs TRITON_INTERPRET=1 set before importing triton")
@@ -100,7 +103,8 @@ class SamplingControls:
     @property
     def nbytes(self) -> int:
         """Device bytes of the tables and static outputs."""
-        tensors = [*self.tables, self.grammar.next, self.slot_state, self.states_out, self.logits_out]
+        tensors = [*self.tables, self.grammar.next, self.slot_state, self.states_out, self.logits_out,
+                   self.wants_logprobs]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def set_compiler(self, compiler: GrammarCompiler) -> None:
@@ -167,6 +171,7 @@ class SamplingControls:
         self._put(t.stop_ids[slot], stops + [-1] * (cfg.max_stop - len(stops)))
         self._put(t.eos_until[slot : slot + 1], [first_step + params.min_tokens])
         self._put(self.slot_state[slot : slot + 1], [state])
+        self._put(self.wants_logprobs[slot : slot + 1], [int(params.logprobs is not None)])
         # Any field off its default acts; the reset above is what lets a slot skip the controls
         # while inactive (its counts and state go stale) and start clean when next admitted.
         self._active[slot] = params != ControlParams()
@@ -248,15 +253,16 @@ class SamplingControls:
 
     def after_sample(self, row_slots: torch.Tensor, raw_logits: torch.Tensor, tokens: torch.Tensor,
                      row_states: torch.Tensor, iteration: torch.Tensor, emitted: Optional[torch.Tensor] = None) -> None:
-        """Count and advance by the emitted tokens, and carry the rows' logprobs to the host
-        (rows not emitted as padding, as the mirror writes them) for mirror iteration
-        `iteration` ([1] int64 on the device)."""
+        """Count and advance by the emitted tokens, and carry the logprobs of the rows whose
+        request asked to the host (rows not emitted as padding, as the mirror writes them) for
+        mirror iteration `iteration` ([1] int64 on the device)."""
         self.observe(row_slots, tokens, row_states, emitted)
         self.write_logprobs(row_slots if emitted is None else torch.where(emitted, row_slots, 0), raw_logits, tokens,
                             iteration)
 
     def write_logprobs(self, row_slots: torch.Tensor, raw_logits: torch.Tensor, tokens: torch.Tensor,
                        iteration: torch.Tensor) -> None:
-        """Logprobs of this step's rows into the channel, for mirror iteration `iteration`."""
+        """Logprobs of this step's rows into the channel, for mirror iteration `iteration`:
+        computed for the rows whose slot was admitted asking for them (the others read None)."""
         if self.logprobs is not None:
-            self.logprobs.write(row_slots, raw_logits, tokens, iteration)
+            self.logprobs.write(row_slots, raw_logits, tokens, iteration, self.wants_logprobs)
