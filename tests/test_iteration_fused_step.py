@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import pytest
 
+from graphrelay.capture.iteration.controls.grammar import GrammarCompiler, vocabulary
+from graphrelay.capture.iteration.controls.params import ControlParams
+from graphrelay.capture.iteration.controls.state import ControlsConfig
 from graphrelay.capture.iteration.engine import Engine, EngineConfig
+from graphrelay.capture.iteration.sampling import SamplingParams
 from graphrelay.capture.iteration.ngram import SpecConfig
 from graphrelay.capture.iteration.step import IterationStep
 from graphrelay.capture.model.model import ModelConfig
 from graphrelay.capture.serving.loop import ServingLoop
 from graphrelay.capture.serving.workloads import SyntheticWorkload
 from capture_cases import Driver, assert_same_read, assert_same_state, build_stack, composition_schedule, step_state
+from controls_cases import EOS, REGEX, STRINGS, msgspec_replace
 
 MAX_REQS, MAX_BATCH, MAX_TOKENS = 10, 8, 128
 STEPS = 12
@@ -65,3 +70,31 @@ def serve(spec, temperature: float, fused: bool) -> dict[str, list[int]]:
 def test_fused_step_serves_the_same_tokens(spec, temperature):
     """The serving loop over the fused step emits exactly the glue step's tokens."""
     assert serve(spec, temperature, fused=True) == serve(spec, temperature, fused=False)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
+def test_fused_epilogue_with_controls_serves_the_same_tokens_and_logprobs(temperature):
+    """Without speculation the controls variant fuses the epilogue too (the controls count,
+    advance and write logprobs before it): controlled requests, some asking for logprobs, beside
+    plain ones, give the glue step's tokens and logprobs."""
+    kinds = [dict(frequency_penalty=0.7, logprobs=3), dict(logit_bias={5: 4.0}, min_tokens=4), dict(regex=REGEX),
+             dict(repetition_penalty=1.4, logprobs=0), {}]
+
+    def run(fused: bool):
+        tokens = 2 * MAX_BATCH
+        engine = Engine(EngineConfig(ModelConfig.preset("tiny"), max_reqs=MAX_REQS, max_batch=MAX_BATCH, max_tokens=tokens,
+                                     buckets=(tokens,), use_graphs=False, controls=ControlsConfig(grammar_states=256)))
+        engine.controls.set_compiler(GrammarCompiler(vocabulary(STRINGS, EOS), engine.config.model.vocab_size))
+        if fused:
+            assert fuse(engine).fused_epilogue
+        engine.capture()
+        base = SyntheticWorkload(num_requests=10, prompt_len=(2, 14), output_len=(6, 16), vocab_size=64, seed=6).requests()
+        requests = [msgspec_replace(r, stop_tokens=(EOS,), sampling=SamplingParams(temperature=temperature, seed=i),
+                                    controls=ControlParams(**kinds[i % len(kinds)]) if kinds[i % len(kinds)] else None)
+                    for i, r in enumerate(base)]
+        result = ServingLoop(engine, "overlap").run(requests)
+        return {rid: (out.tokens, out.logprobs) for rid, out in result.outputs.items()}
+
+    fused, glue = run(True), run(False)
+    assert fused == glue
+    assert sum(logprobs is not None for _, logprobs in glue.values()) == 4

@@ -8,7 +8,7 @@
         -> LM head only at the sampled rows -> [controls: penalties, bias, min_tokens, grammar]
         -> sampling -> [speculation: accept the leading drafts the target agrees with]
         -> [controls: counts, automaton states, logprobs of the emitted rows that asked]
-        -> relay stash + publish -> host-mirror write (one launch on CUDA for a plain step:
+        -> relay stash + publish -> host-mirror write (one launch on CUDA without speculation:
         `capture.kernels.iteration_epilogue`; two, plus their glue, otherwise)
 
 A step built with controls runs in two variants, each captured per bucket: "controls" (the
@@ -56,8 +56,8 @@ class IterationStep:
     values (a sync) and the step runs under sync-debug "error" during warm-up. Slots are
     validated where the scheduler assigns them.
 
-    backend: "triton" fuses the prologue, and for the plain variant without speculation the
-    epilogue, into one kernel each; "torch" runs the glue (the reference). None: Triton on
+    backend: "triton" fuses the prologue, and without speculation the epilogue, into one
+    kernel each; "torch" runs the glue (the reference). None: Triton on
     CUDA unless the relay is in debug mode.
     """
 
@@ -88,7 +88,8 @@ class IterationStep:
         # Speculation writes the drafts into the ids after the prologue: the model embeds them.
         self.prologue = IterationPrologue(relay, model.embed, model.config.max_seq_len, top, embeds=spec is None,
                                           backend=backend)
-        # The plain variant's epilogue (the controls variant keeps the glue: its ops sit between).
+        # Without speculation every row emits at most its one token, so the controls' bookkeeping
+        # can run before the epilogue instead of inside it: both variants fuse it.
         self.fused_epilogue = self.prologue.backend == "triton" and spec is None
         if self.fused_epilogue:
             check_fusable(relay, mirror)
@@ -113,7 +114,7 @@ class IterationStep:
         elif variant not in self.variants:
             raise ValueError(f"variant {variant!r} is not one of this step's {self.variants}")
         controls = self.controls if variant == CONTROLS else None
-        fused = self.fused_epilogue and controls is None
+        fused = self.fused_epilogue
         g = self.inputs.geometry(tokens)
         R, per = g.spans, self.per
         v = self.inputs.narrow(tokens)
@@ -131,8 +132,8 @@ class IterationStep:
             return t[:R, None].expand(R, per).reshape(-1)
 
         first = row_positions.view(R, per)[:, 0]  # position of the token row 0 samples after
-        # The fused epilogue finds each row's reported slot itself.
-        reported = None if fused else torch.where(v.span_samples[:R].bool(), live_slots, 0)
+        # The fused epilogue finds each row's reported slot itself (the controls need it anyway).
+        reported = None if fused and controls is None else torch.where(v.span_samples[:R].bool(), live_slots, 0)
         raw_logits = logits
         if controls is not None:
             # Penalties, bias, min_tokens and the grammar mask; a verify row j is controlled as
@@ -145,6 +146,9 @@ class IterationStep:
         target = sample(logits, per_row(v.temperature), per_row(v.top_k), per_row(v.seeds), row_positions,
                         out=self.target[: g.rows], max_top_k=self.max_top_k, top_p=per_row(v.top_p))
         if fused:
+            if controls is not None:  # before the mirror write, which advances its counter (below)
+                controls.after_sample(row_slots, raw_logits, target, row_states, self.mirror.device_ring[1],
+                                      v.row_live != 0)
             stash_publish_mirror(self.relay, self.mirror, v.span_slot, v.span_samples, v.row_live, target,
                                  row_positions)
             return
