@@ -207,3 +207,28 @@ def test_a_speculative_engine_with_grammars_serves_after_an_earlier_engine_at_be
             text = "".join(strings[t] or "" for t in out.tokens if t != EOS)
             assert re.fullmatch(REGEX, text), (spec, text)
         del engine, result
+
+
+def test_triton_observe_equals_torch_on_cuda_over_verify_spans():
+    """64 slots x 5-row verify spans with random accepted prefixes, many repeated tokens: the
+    one-launch observe equals the torch reference (programs of one span run concurrently here,
+    unlike in the interpreter, so only the span's last emitted row may write its state)."""
+    from graphrelay.capture.iteration.controls.observe import observe_torch, observe_triton
+
+    gen = torch.Generator().manual_seed(11)
+    vocab, states, spans, per = 49152, 300, 64, 5
+    for _ in range(5):
+        counts = torch.randint(0, 3, (spans + 1, vocab), generator=gen, dtype=torch.int32)
+        next_state = torch.randint(0, states, (states, vocab), generator=gen, dtype=torch.int32)
+        slot_state = torch.randint(0, states, (spans + 2,), generator=gen, dtype=torch.int32)
+        slots = torch.arange(1, spans + 1, dtype=torch.int32).repeat_interleave(per)
+        accepted = torch.randint(1, per + 1, (spans,), generator=gen)
+        emitted = (torch.arange(per)[None, :] < accepted[:, None]).reshape(-1)
+        tokens = torch.randint(0, 8, (spans * per,), generator=gen)  # few distinct: atomic adds collide
+        row_states = torch.randint(0, states, (spans * per,), generator=gen, dtype=torch.int32)
+        want = [t.clone() for t in (counts, next_state, slot_state)]
+        observe_torch(*want, slots, tokens, row_states, emitted)
+        got = [t.cuda() for t in (counts, next_state, slot_state)]
+        observe_triton(*got, slots.cuda(), tokens.cuda(), row_states.cuda(), emitted.cuda())
+        assert torch.equal(got[0].cpu(), want[0])
+        assert torch.equal(got[2].cpu()[: spans + 1], want[2][: spans + 1])

@@ -25,6 +25,7 @@ from graphrelay.runtime import to_device_async
 from .apply import PROMPT_BIT, ControlTables, apply_torch, apply_triton, span_row_drafts
 from .grammar import GrammarCompiler, GrammarPool, span_states
 from .logprobs import LogprobChannel
+from .observe import observe_torch, observe_triton
 from .params import ControlParams
 
 BACKENDS = ("torch", "triton")
@@ -82,8 +83,8 @@ class SamplingControls:
             bias_values=torch.zeros((slots, config.max_bias), dtype=torch.float32, device=self.device),
             allowed=self.grammar.allowed,
         )
-        # Automaton state per slot, plus a sink row (max_reqs + 1) that rows not ending their
-        # slot's accepted run write to, so one slot never gets two writes in a step.
+        # Automaton state per slot, plus a sink row (max_reqs + 1): the torch observe's target
+        # for the rows that set no state (one index_copy_ target per row).
         self.slot_state = torch.zeros(slots + 1, dtype=torch.int32, device=self.device)
         self.states_out = torch.zeros(max_rows, dtype=torch.int32, device=self.device)
         self.logits_out = torch.zeros((max_rows, vocab_size), dtype=torch.float32, device=self.device)
@@ -93,6 +94,7 @@ class SamplingControls:
         if backend == "triton" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("ControlsConfig.backend 'triton' on a CPU needs TRITON_INTERPRET=1 set before importing triton")
         self._apply = apply_triton if backend == "triton" else apply_torch
+        self._observe = observe_triton if backend == "triton" else observe_torch
         self.logprobs = LogprobChannel(max_rows, mirror_depth, self.device, vocab_size, backend) if config.logprobs else None
         self.compiler = compiler
         self._grammar_of: dict[int, tuple[str, str]] = {}
@@ -222,20 +224,9 @@ class SamplingControls:
         """Count each emitted row's token and advance its slot's automaton. emitted [n] bool
         (default: every row of a real slot); within a slot, emitted rows must be consecutive
         and the last of them sets the state (a verify span's accepted prefix)."""
-        slots = row_slots.long()
         if emitted is None:
-            emitted = slots != 0
-        # Rows not emitted (padding, rejected drafts) index as token 0 of state 0: whatever
-        # they sampled, never an index outside the tables.
-        tokens = torch.where(emitted, tokens.long(), 0)
-        states = torch.where(emitted, row_states.long(), 0)
-        # Flat scatter-add: atomic adds, no sort and no sync (index_put_ with accumulate sorts).
-        self.tables.counts.view(-1).scatter_add_(0, slots * self.vocab_size + tokens, emitted.to(torch.int32))
-        ends_run = torch.ones_like(emitted)
-        ends_run[:-1] = ~((slots[1:] == slots[:-1]) & emitted[1:])
-        target = torch.where(emitted & ends_run, slots, self.max_reqs + 1)
-        advanced = self.grammar.next[states, tokens]
-        self.slot_state.index_copy_(0, target, advanced)
+            emitted = row_slots != 0
+        self._observe(self.tables.counts, self.grammar.next, self.slot_state, row_slots, tokens, row_states, emitted)
 
     def observe_prompt(self, token_slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Mark prompt tokens seen (repetition penalty), for a step that stages prompts itself:
