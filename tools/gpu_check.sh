@@ -11,7 +11,8 @@
 # package. GPU_CHECK_CPU=1 also runs the CPU suite (CI runs it anyway); GPU_CHECK_SKIP_BENCH=1
 # skips the benchmarks; GPU_CHECK_ONLY="name ..." runs only the named steps (a device call is
 # limited to 10 minutes: split the check over calls, e.g. "gpu-tests serve bench-iteration");
-# GPU_CHECK_ARCHIVE=FILE.tgz packs OUT_DIR into one file at the end.
+# GPU_CHECK_ARCHIVE=FILE.tgz packs OUT_DIR into one file after every step;
+# GPU_CHECK_STEP_TIMEOUT=S bounds each step (the HTTP GPU test alone needs a few minutes).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:-${OUT:-$root/results/gpu-check}}
@@ -94,6 +95,9 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
     step bench-kernels "$py" -m graphrelay.tools.cli bench kernels --out "$out"
     step bench-e2e "$py" -m graphrelay.tools.cli bench e2e --time-budget ${GPU_CHECK_E2E_BUDGET:-420} ${GPU_CHECK_E2E_ARGS:-} --out "$out"
     step bench-serve "$py" -m graphrelay.tools.cli bench serve --rates ${GPU_CHECK_RATES:-25,50,100,200,400,800,1600,inf} --out "$out"
+    # Issue 18's offline figure: 256 requests of the same workload all at once, random weights.
+    step bench-offline "$py" -m graphrelay.tools.cli bench serve --rates inf --num-requests 256 --weights random \
+        --out "$out/offline"
     step bench-serve-http bash tools/bench_serve_http.sh "$py" "$out" ${GPU_CHECK_RATES:-25,50,100,200,400,800,1600,inf}
     step bench-soak bash tools/bench_serve_http.sh --soak "$py" "$out"
     step bench-json "$py" -m graphrelay.tools.cli bench json --out "$out"
