@@ -4,6 +4,7 @@ any token and state; and the reference's own rules by hand."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -66,3 +67,13 @@ def test_the_last_emitted_row_of_a_span_sets_the_state_and_every_emitted_row_cou
         observe(c, next_state, s, slots, tokens, states, emitted)
         assert s[2] == 4 and s[4] == 1 and s[0] == 0, observe.__name__
         assert c[2, 5] == c[2, 6] == c[4, 9] == 1 and c[2, 9] == 0 and int(c.sum()) == 3, observe.__name__
+
+
+def test_triton_observe_refuses_strided_rows_before_launching():
+    counts, next_state, slot_state = tables(1)
+    slots = torch.tensor([1, 0, 2, 0], dtype=torch.int32)[::2]
+    before = counts.clone()
+    with pytest.raises(ValueError, match="row_slots must be \\[2\\] with unit stride"):
+        observe_triton(counts, next_state, slot_state, slots, torch.tensor([3, 4]), torch.zeros(2, dtype=torch.int32),
+                       torch.tensor([True, True]))
+    assert torch.equal(counts, before)

@@ -48,6 +48,11 @@ def _observe_kernel(counts_ptr, next_ptr, slot_state_ptr, slots_ptr, tokens_ptr,
 
 
 def observe_triton(counts, next_state, slot_state, row_slots, tokens, row_states, emitted) -> None:
-    """The same in one launch, one program per row; no torch ops (emitted: a bool tensor)."""
+    """The same in one launch, one program per row; no torch ops (emitted: a bool tensor).
+    The row tensors are read with unit stride: only their metadata is checked (capturable)."""
     n, vocab = row_slots.shape[0], counts.shape[1]
+    for name, t in (("row_slots", row_slots), ("tokens", tokens), ("row_states", row_states), ("emitted", emitted)):
+        if t.shape != (n,) or (n > 1 and t.stride(0) != 1):
+            raise ValueError(f"observe_triton: {name} must be [{n}] with unit stride, got {tuple(t.shape)} "
+                             f"strides {t.stride()}")
     _observe_kernel[(n,)](counts, next_state, slot_state, row_slots, tokens, row_states, emitted, n, vocab)
