@@ -1,8 +1,24 @@
-"""Shared checks for the benchmark commands' bad-input handling."""
+"""Shared parts of the benchmark commands' tests: a smoke run on the CPU path, and the checks of
+their bad-input handling."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
+import torch
+
 from graphrelay.tools.bench import bench_main
+
+
+def smoke_report(tmp_path_factory, command: str) -> tuple:
+    """`graphrelay bench COMMAND --smoke` once on the CPU path (even on a GPU host): its output
+    folder and its `COMMAND_bench.json`, for a module's tests to share."""
+    out = tmp_path_factory.mktemp(command)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: False)
+        assert bench_main([command, "--smoke", "--out", str(out)]) == 0
+    return out, json.loads((out / f"{command}_bench.json").read_text())
 
 
 def assert_usage_error(command: str, argv: list[str], message: str, capsys, out_dir) -> None:

@@ -14,8 +14,8 @@ import jsonschema
 import pytest
 import torch
 
-from bench_cases import assert_needs_gpu, assert_usage_error
-from graphrelay.tools.bench import bench_main, json_bench
+from bench_cases import assert_needs_gpu, assert_usage_error, smoke_report
+from graphrelay.tools.bench import json_bench
 from graphrelay.tools.bench.json_workload import SCHEMAS, build_requests, check, interleave, schema_of
 
 @pytest.fixture(autouse=True)
@@ -25,11 +25,7 @@ def cpu_only(monkeypatch):
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    out = tmp_path_factory.mktemp("json")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch.cuda, "is_available", lambda: False)
-        assert bench_main(["json", "--smoke", "--out", str(out)]) == 0
-    return out, json.loads((out / "json_bench.json").read_text())
+    return smoke_report(tmp_path_factory, "json")
 
 
 # ---- the smoke run ----------------------------------------------------------------------------

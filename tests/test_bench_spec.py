@@ -4,13 +4,11 @@ bad options."""
 
 from __future__ import annotations
 
-import json
-
 import msgspec
 import pytest
 import torch
 
-from bench_cases import assert_needs_gpu, assert_usage_error
+from bench_cases import assert_needs_gpu, assert_usage_error, smoke_report
 from graphrelay.capture.serving.loop import LoopResult, RequestOutput
 from graphrelay.capture.model.model import ModelConfig
 from graphrelay.tools.bench import bench_main, options, spec
@@ -25,11 +23,7 @@ def cpu_only(monkeypatch):
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     """One smoke run shared by the tests that read it (it builds eight engines)."""
-    out = tmp_path_factory.mktemp("spec")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch.cuda, "is_available", lambda: False)
-        assert bench_main(["spec", "--smoke", "--out", str(out)]) == 0
-    return out, json.loads((out / "spec_bench.json").read_text())
+    return smoke_report(tmp_path_factory, "spec")
 
 
 def row(workload: str, batch: int, mode: str, tokens_per_s: float, requests: int = 4, identical: int = 4) -> dict:
