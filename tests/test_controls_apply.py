@@ -9,8 +9,10 @@ import math
 import pytest
 import torch
 
+from graphrelay.capture.iteration.controls.apply import apply_triton
 from graphrelay.capture.iteration.controls.params import ControlParams
 from graphrelay.capture.iteration.controls.state import ControlsConfig, SamplingControls
+from graphrelay.capture.iteration.step import span_values_per_row
 
 VOCAB = 70  # not a multiple of 32: the bitmask's last word is partial
 
@@ -215,3 +217,23 @@ def test_observe_prompt_marks_what_admit_marks():
     staged.observe_prompt(torch.tensor([2, 2, 0, 2, 2]), torch.tensor([4, 8, 1, 8, 60]))  # 0: a padding token
     assert torch.equal(staged.tables.counts[2], admitted.tables.counts[2])
     assert int(staged.tables.counts[2].ne(0).sum()) == 3
+
+
+def test_triton_apply_refuses_a_broadcast_row_tensor_before_launching():
+    """A one-span verify batch once handed the kernel a stride-0 view of its slot (expand +
+    reshape): the launch read four rows past it, an illegal address on the H200."""
+    c = random_controls("triton")
+    logits, out = torch.randn(5, VOCAB), c.logits_out[:5]
+    before = out.clone()
+    slots = torch.tensor([2]).expand(5)  # stride 0
+    with pytest.raises(ValueError, match="row_slots must be \\[5\\] with unit stride"):
+        apply_triton(c.tables, logits, slots, torch.zeros(5, dtype=torch.long), torch.zeros(5, dtype=torch.int32), out)
+    assert torch.equal(out, before)
+
+
+@pytest.mark.parametrize("spans,per", [(1, 5), (1, 1), (3, 5), (4, 1)])
+def test_span_values_per_row_are_contiguous_copies_request_major(spans, per):
+    t = torch.arange(10, 20)
+    rows = span_values_per_row(t, spans, per)
+    assert rows.is_contiguous() and rows.stride() == (1,)
+    assert rows.tolist() == [10 + i for i in range(spans) for _ in range(per)]

@@ -48,6 +48,12 @@ from graphrelay.mirror import HostMirror
 PLAIN, CONTROLS = "plain", "controls"  # the step's variants (see the module docstring)
 
 
+def span_values_per_row(t: torch.Tensor, spans: int, per: int) -> torch.Tensor:
+    """[spans] -> [spans * per], request-major, always a contiguous copy: at one span, reshape
+    alone would return a stride-0 view, and the Triton kernels read rows as `ptr + row`."""
+    return t[:spans, None].expand(spans, per).contiguous().view(-1)
+
+
 class IterationStep:
     """Binds a relay, a model, a host mirror, the input surface and (when speculating) the
     token history into `step(T)`.
@@ -128,8 +134,8 @@ class IterationStep:
                                     key_bound=self.key_bound, embedded=placed.embedded)
         logits = self.model.logits(hidden.index_select(0, v.row_token), out=self.logits[: g.rows])
 
-        def per_row(t: torch.Tensor) -> torch.Tensor:  # [R] -> [S], request-major
-            return t[:R, None].expand(R, per).reshape(-1)
+        def per_row(t: torch.Tensor) -> torch.Tensor:
+            return span_values_per_row(t, R, per)
 
         first = row_positions.view(R, per)[:, 0]  # position of the token row 0 samples after
         # The fused epilogue finds each row's reported slot itself (the controls need it anyway).

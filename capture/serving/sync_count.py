@@ -13,7 +13,9 @@ import warnings
 
 import torch
 
-_SYNC_WARNING = "synchronizing"  # torch's sync-debug warnings say "called a synchronizing CUDA operation"
+# torch's sync-debug warning, word for word: the switch itself warns once per process that the
+# mode "does not yet detect all synchronizing operations", which must not count as a sync.
+_SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
 class HostSyncCounter:

@@ -110,10 +110,24 @@ def _bias_kernel(out_ptr, out_stride, slots_ptr, bias_ids_ptr, bias_values_ptr, 
     tl.store(where, tl.load(where, mask=used, other=0.0) + values, mask=used)
 
 
+def check_row_tensors(kernel: str, n: int, **rows: torch.Tensor) -> None:
+    """The Triton launches read each per-row tensor as `ptr + row`: each must be [n] with unit
+    stride (a broadcast view, stride 0, would read past its one element). Metadata only, so
+    capturable."""
+    for name, t in rows.items():
+        if t.shape != (n,) or (n > 1 and t.stride(0) != 1):
+            raise ValueError(f"{kernel}: {name} must be [{n}] with unit stride, got {tuple(t.shape)} "
+                             f"strides {t.stride()}: pass .contiguous()")
+
+
 def apply_triton(tables, logits, row_slots, row_steps, row_states, out, row_drafts=None):
     """Two launches, no torch ops and no temporaries: fixed shape in the row count.
     row_drafts, when given, must be contiguous."""
     n, vocab = logits.shape
+    check_row_tensors("apply_triton", n, row_slots=row_slots, row_steps=row_steps, row_states=row_states)
+    if row_drafts is not None and (row_drafts.shape[0] != n or not row_drafts.is_contiguous()):
+        raise ValueError(f"apply_triton: row_drafts must be contiguous [{n}, k], got {tuple(row_drafts.shape)} "
+                         f"strides {row_drafts.stride()}")
     num_drafts = 0 if row_drafts is None else row_drafts.shape[1]
     _dense_kernel[(n, triton.cdiv(vocab, BLOCK))](
         logits, logits.stride(0), out, out.stride(0), row_slots, row_steps, row_states,

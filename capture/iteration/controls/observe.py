@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .apply import check_row_tensors
+
 
 def observe_torch(counts: torch.Tensor, next_state: torch.Tensor, slot_state: torch.Tensor, row_slots: torch.Tensor,
                   tokens: torch.Tensor, row_states: torch.Tensor, emitted: torch.Tensor) -> None:
@@ -51,8 +53,5 @@ def observe_triton(counts, next_state, slot_state, row_slots, tokens, row_states
     """The same in one launch, one program per row; no torch ops (emitted: a bool tensor).
     The row tensors are read with unit stride: only their metadata is checked (capturable)."""
     n, vocab = row_slots.shape[0], counts.shape[1]
-    for name, t in (("row_slots", row_slots), ("tokens", tokens), ("row_states", row_states), ("emitted", emitted)):
-        if t.shape != (n,) or (n > 1 and t.stride(0) != 1):
-            raise ValueError(f"observe_triton: {name} must be [{n}] with unit stride, got {tuple(t.shape)} "
-                             f"strides {t.stride()}")
+    check_row_tensors("observe_triton", n, row_slots=row_slots, tokens=tokens, row_states=row_states, emitted=emitted)
     _observe_kernel[(n,)](counts, next_state, slot_state, row_slots, tokens, row_states, emitted, n, vocab)
