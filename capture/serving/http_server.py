@@ -141,9 +141,9 @@ class OpenAIServer:
     async def _answer(self, http: HttpRequest, kind: type, prepare: Callable, chat: bool) -> Response:
         try:
             body = decode(await self._body(http), kind)
-            prepared = prepare(body, self.codec, self.limits)
-            if prepared.request.controls is not None:
-                await asyncio.get_running_loop().run_in_executor(None, check_controls, self.controls, prepared)
+            # Chat template, tokenization and any grammar compile run on a worker thread: on the
+            # event loop a long prompt (or a new schema) would stall every open stream.
+            prepared = await asyncio.get_running_loop().run_in_executor(None, self._prepare, prepare, body)
             queue = self._submit(prepared)
         except ApiError as exc:
             return _error(exc)
@@ -170,6 +170,12 @@ class OpenAIServer:
                    "finish_reason": completion.finish_reason} if chat else
                   {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason})
         return _json({**self._head(prepared, chat, chunk=False), "choices": [choice], "usage": completion.usage})
+
+    def _prepare(self, prepare: Callable, body) -> Prepared:
+        prepared = prepare(body, self.codec, self.limits)
+        if prepared.request.controls is not None:
+            check_controls(self.controls, prepared)
+        return prepared
 
     async def _body(self, http: HttpRequest) -> bytes:
         limit = self.options.max_body_bytes

@@ -64,14 +64,25 @@ def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, width: int = MAX_LO
 def _top_of(x, ids, alive, out_values, out_ids, WIDTH: tl.constexpr):
     """`WIDTH` rounds of argmax over the `alive` lanes, lowest id first on ties; a round with
     no lane left stores -inf and id -1. Membership is tracked apart from the values, so a
-    -inf logit is still a valid pick."""
+    -inf logit is still a valid pick.
+
+    Each lane is one int64 key, the value's bits made order-preserving in the high half and
+    the complement of its id in the low half: a round is then one max (the best value, and the
+    lowest id among its ties) below the previous round's key, instead of a max plus a min."""
+    bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed order = float order
+    low = 0xFFFFFFFF - ids.to(tl.int64)  # ids < 2^32: a lower id, a larger key
+    none = tl.full((), -(2**63), tl.int64)
+    key = tl.where(alive, (ordered.to(tl.int64) << 32) | low, none)
+    previous = tl.full((), 2**63 - 1, tl.int64)
     for k in range(WIDTH):
-        best = tl.max(tl.where(alive, x, float("-inf")))
-        pick = tl.min(tl.where(alive & (x == best), ids, 2**62))
-        found = pick < 2**62
-        tl.store(out_values + k, tl.where(found, best, float("-inf")))
-        tl.store(out_ids + k, tl.where(found, pick, -1))
-        alive = alive & (ids != pick)
+        best = tl.max(tl.where(key < previous, key, none))
+        found = best != none
+        high = (best >> 32).to(tl.int32)
+        value = tl.where(high >= 0, high, high ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+        tl.store(out_values + k, tl.where(found, value, float("-inf")))
+        tl.store(out_ids + k, tl.where(found, 0xFFFFFFFF - (best & 0xFFFFFFFF), -1))
+        previous = best
 
 
 @triton.jit
