@@ -58,6 +58,12 @@ BLOCK_N = 16  # output features per program: the smallest tl.dot tile, so the mo
 # its shared memory under Hopper's 227 KB at 64-row tiles.
 NORM_BLOCK_K = 256
 MAX_TILE = 16384
+# Up to FMA_MAX_ROWS rows (decode at batch 1-4) the kernel runs one row per program on the CUDA
+# cores, tiles of at most FMA_TILE weight elements (BLOCK_N x BLOCK_K) and K steps of at most
+# FMA_MAX_K; each row's program re-reads its weight tile, from L2 after the first.
+FMA_MAX_ROWS = 4
+FMA_TILE = 4096
+FMA_MAX_K = 2048
 EPILOGUE_NONE, EPILOGUE_RESIDUAL, EPILOGUE_SILU_MUL, EPILOGUE_ROTARY = 0, 1, 2, 3
 
 
@@ -90,10 +96,13 @@ def pdl_supported(device: torch.device) -> bool:
 
 
 @triton.jit
-def _dot(x, w, acc, DOT_F32: tl.constexpr):
+def _dot(x, w, acc, DOT_F32: tl.constexpr, FMA: tl.constexpr):
     """acc + x @ w.T. A 16-bit dot accumulates exact products in float32, so upcasting first
-    and summing in float32 is the same computation."""
-    if DOT_F32:
+    and summing in float32 is the same computation. FMA (a one-row tile): products and a sum
+    over K in float32 on the CUDA cores; a tensor-core dot pads the row to 16."""
+    if FMA:
+        return acc + tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    elif DOT_F32:
         return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
     else:
         return tl.dot(x, tl.trans(w), acc)
@@ -142,6 +151,7 @@ def _skinny_linear_kernel(
     KVH: tl.constexpr,
     D: tl.constexpr,
     DOT_F32: tl.constexpr,  # a float32 IEEE dot (float32 inputs, or the interpreter: see _launch)
+    FMA: tl.constexpr,  # one row per program, no tensor-core dot (see _launch)
     USE_PDL: tl.constexpr,
     LINE: tl.constexpr,  # weight elements per 128-byte line
     LINES: tl.constexpr,  # next power of two >= the lines of one weight row
@@ -212,9 +222,9 @@ def _skinny_linear_kernel(
             # Llama's order: normalize in float32, round, then scale by the weight in the model dtype.
             normed = _round_to(x.to(tl.float32) * rstd[:, None], dtype)
             x = _round_to(nw[None, :].to(tl.float32) * normed.to(tl.float32), dtype)
-        acc_a = _dot(x, wa, acc_a, DOT_F32)
+        acc_a = _dot(x, wa, acc_a, DOT_F32, FMA)
         if EPILOGUE >= 2:
-            acc_b = _dot(x, wb, acc_b, DOT_F32)
+            acc_b = _dot(x, wb, acc_b, DOT_F32, FMA)
         # The next step's weight tile (fully masked, so no traffic, after the last step).
         next_ok = w_ok & (k0 + BLOCK_K + ks[None, :] < K)
         wa = tl.load(w_a + k0 + BLOCK_K + ks[None, :], mask=next_ok, other=0.0)
@@ -271,25 +281,34 @@ def _skinny_linear_kernel(
 def _launch(x, weight, out, *, n, epilogue, pdl, norm_weight=None, eps=0.0, residual=None, residual_out=None,
             add=None, rotary=None):
     m, k = x.shape
-    block_m = max(16, min(64, triton.next_power_of_2(m)))
-    widest = NORM_BLOCK_K if norm_weight is not None or epilogue >= EPILOGUE_SILU_MUL else MAX_TILE // block_m
-    block_k = max(16, min(triton.next_power_of_2(k), widest * 2 // x.element_size()))
+    fma = m <= FMA_MAX_ROWS
+    if fma:
+        # A program per row and a few output features, the whole K in one step where it fits:
+        # every weight byte is requested at once (before the PDL wait), and the grid has a
+        # program or more per SM even for the narrowest projection.
+        block_m, block_k = 1, min(triton.next_power_of_2(k), FMA_MAX_K)
+        block_n, warps = max(2, FMA_TILE // block_k), 4
+    else:
+        block_m = max(16, min(64, triton.next_power_of_2(m)))
+        widest = NORM_BLOCK_K if norm_weight is not None or epilogue >= EPILOGUE_SILU_MUL else MAX_TILE // block_m
+        block_k = max(16, min(triton.next_power_of_2(k), widest * 2 // x.element_size()))
+        block_n, warps = BLOCK_N, 8
     tile_cols = n // 2 if epilogue == EPILOGUE_ROTARY else n
     rot = rotary or Rotary(x, x, x, x, x, x, 0, 0)
     d = rot.k_cache.shape[3] if rotary else 2
     cache_rows, seq_len = rot.k_cache.shape[:2] if rotary else (0, 0)
     extra = {"launch_pdl": True} if pdl else {}
-    _skinny_linear_kernel[(triton.cdiv(tile_cols, BLOCK_N), triton.cdiv(m, block_m))](
+    _skinny_linear_kernel[(triton.cdiv(tile_cols, block_n), triton.cdiv(m, block_m))](
         x, x if residual is None else residual, x if residual_out is None else residual_out,
         x if norm_weight is None else norm_weight, weight, out if add is None else add, out,
         rot.cos, rot.sin, rot.positions, rot.slots, rot.k_cache, rot.v_cache,
         m, eps, rot.cos.shape[0], cache_rows, seq_len,
-        N=n, K=k, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k, NORM=norm_weight is not None,
+        N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
         HAS_RESIDUAL=residual is not None, EPILOGUE=epilogue, H=rot.num_heads, KVH=rot.num_kv_heads, D=d,
         # NOTE: the interpreter multiplies bfloat16 dot operands as their raw uint16 bits: upcast there.
-        DOT_F32=x.dtype == torch.float32 or not x.is_cuda, USE_PDL=pdl,
+        DOT_F32=x.dtype == torch.float32 or not x.is_cuda, FMA=fma, USE_PDL=pdl,
         LINE=128 // weight.element_size(), LINES=triton.next_power_of_2(triton.cdiv(k * weight.element_size(), 128)),
-        num_warps=8,
+        num_warps=warps,
         # a*b + c*d contracted to an FMA would round the rotation differently from torch.
         enable_fp_fusion=epilogue != EPILOGUE_ROTARY, **extra,
     )
