@@ -35,7 +35,10 @@ from graphrelay.mirror import HostMirror, MirrorRead
 from graphrelay.runtime import Stream
 
 
-DEFAULT_MAX_TOKENS = 2048
+# An iteration pays ~1 ms of fixed cost on the H200 (its node count) whatever its size, so a
+# larger budget prefills faster (64 x 128 prompt tokens: 8.2 ms in four 2048-token iterations)
+# at the price of a longer iteration beside running decodes; the peers' defaults are 8192.
+DEFAULT_MAX_TOKENS = 4096
 # Above this many rows the Triton projections re-read their weights per 64-row tile: cuBLAS wins.
 SKINNY_ROWS = 64
 
