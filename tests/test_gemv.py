@@ -159,7 +159,7 @@ def test_linear_residual_equals_unfused(rows, k, n, dtype, seed):
 # tiles), half that in float32: K = 600 and 1100 take several, the last partial; rows 70 take
 # two row tiles. Up to gemv.FMA_MAX_ROWS rows, one row per program: K = 2500 takes two steps
 # of FMA_MAX_K, the last partial.
-@pytest.mark.parametrize("rows,k", [(33, 600), (70, 40), (3, 1100), (2, 2500), (1, 64)])
+@pytest.mark.parametrize("rows,k", [(33, 600), (70, 40), (17, 300), (3, 1100), (2, 2500), (1, 64)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
 def test_several_k_steps_and_row_tiles(rows, k, dtype):
     check_norm_linear("cpu", dtype, rows, k, 20, with_residual=True)

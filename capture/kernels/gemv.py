@@ -58,10 +58,10 @@ BLOCK_N = 16  # output features per program: the smallest tl.dot tile, so the mo
 # its shared memory under Hopper's 227 KB at 64-row tiles.
 NORM_BLOCK_K = 256
 MAX_TILE = 16384
-# Up to FMA_MAX_ROWS rows (decode at batch 1-4) the kernel runs one row per program on the CUDA
+# Up to FMA_MAX_ROWS rows (decode at batch 1-16) the kernel runs one row per program on the CUDA
 # cores, tiles of at most FMA_TILE weight elements (BLOCK_N x BLOCK_K) and K steps of at most
 # FMA_MAX_K; each row's program re-reads its weight tile, from L2 after the first.
-FMA_MAX_ROWS = 4
+FMA_MAX_ROWS = 16
 FMA_TILE = 4096
 FMA_MAX_K = 2048
 EPILOGUE_NONE, EPILOGUE_RESIDUAL, EPILOGUE_SILU_MUL, EPILOGUE_ROTARY = 0, 1, 2, 3

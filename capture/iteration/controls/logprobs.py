@@ -41,7 +41,12 @@ from graphrelay.runtime import PinnedRing
 
 from .params import MAX_LOGPROBS
 
-CHUNK = 2048  # vocabulary columns per program of the first launch
+# Vocabulary columns per program of the first launch, and its warps: a top-k round is a max
+# over the chunk, whose cross-warp part costs the same however wide the chunk, so few wide
+# chunks (SmolLM2's 49,152 tokens: 6 per row) beat many narrow ones.
+CHUNK = 8192
+CHUNK_WARPS = 8
+ROW_WARPS = 1  # the second launch's rounds run over chunks * width candidates: one warp, no barriers
 
 
 class TokenLogprobs(msgspec.Struct, frozen=True):
@@ -203,13 +208,14 @@ class LogprobChannel:
                              f"[<= {self.max_rows}, {self.vocab}] with contiguous rows")
         _chunk_kernel[(n, self.chunks)](logits, logits.stride(0), row_slots, wants, self._chunk_max, self._chunk_sum,
                                         self._cand_values, self._cand_ids, vocab, self.chunks, WIDTH=self.width,
-                                        CHUNK=CHUNK)
+                                        CHUNK=CHUNK, num_warps=CHUNK_WARPS)
         d = self.dev
         _row_kernel[(n,)](logits, logits.stride(0), tokens, row_slots, wants, iteration, self._chunk_max,
                           self._chunk_sum, self._cand_values, self._cand_ids, d["stamps"], d["counts"], d["slots"],
                           d["asked"], d["values"], d["ids"],
                           n, self.chunks, self.depth, self.max_rows, vocab, WIDTH=self.width,
-                          CHUNKS_BLOCK=triton.next_power_of_2(self.chunks), WIDTH_BLOCK=triton.next_power_of_2(self.width))
+                          CHUNKS_BLOCK=triton.next_power_of_2(self.chunks), WIDTH_BLOCK=triton.next_power_of_2(self.width),
+                          num_warps=ROW_WARPS)
 
     def read(self, read: MirrorRead) -> list[Optional[TokenLogprobs]]:
         """The rows of the mirror's `read` (padding dropped, same order), before `fresh()`, None
