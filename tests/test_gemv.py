@@ -28,8 +28,15 @@ def assert_close_to(actual: torch.Tensor, expected: torch.Tensor, what: str, ulp
     if actual.dtype == torch.float32:
         # Sums of up to a few thousand unit-scale products: the order moves the last bits.
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, msg=what)
-    else:
-        assert_matches(actual, expected, what, ulps)
+        return
+    # Where hundreds of products cancel to nearly zero, another float32 summation order moves
+    # the result by many ulps of that tiny value (the H200: 4 ulp at -2.4e-5 in a row of unit
+    # scale, one-row kernel against cuBLAS): those elements are held to an absolute bound of the
+    # output's scale instead, every other element to `ulps`.
+    scale = float(expected.float().abs().amax())
+    tiny = expected.float().abs() < scale * 2**-8
+    torch.testing.assert_close(actual.float()[tiny], expected.float()[tiny], rtol=0, atol=scale * 2**-12, msg=what)
+    assert_matches(torch.where(tiny, expected, actual), expected, what, ulps)
 
 
 def inputs(device: str, dtype: torch.dtype, rows: int, k: int, n: int, seed: int) -> dict[str, torch.Tensor]:
