@@ -62,6 +62,16 @@ def test_triton_write_equals_torch(seed, n, width, vocab, iteration, kind):
     assert torch.equal(triton_channel.host["ids"][iteration % DEPTH, :n], stable_top_ids(logits, width))
 
 
+def test_minus_zero_ties_plus_zero_lowest_id_first():
+    """round() leaves -0.0 beside 0.0: equal values, so the lower id comes first whichever sign
+    (the chunk's cut at `width` must not prefer +0.0: the second launch never sees what it drops)."""
+    logits = torch.tensor([[-0.0, 0.0, -0.0, 0.0, -1.0], [1.0, 0.0, -0.0, 0.0, -0.0]])
+    tokens, row_slots = torch.tensor([0, 1]), torch.tensor([1, 2], dtype=torch.int32)
+    triton_channel, _ = write_both(logits, tokens, row_slots, 0, 2)
+    assert triton_channel.host["ids"][0, :2].tolist() == [[0, 1], [0, 1]]
+    assert torch.equal(triton_channel.host["ids"][0, :2], stable_top_ids(logits, 2))
+
+
 def test_many_ties_keep_the_lowest_ids_across_chunks():
     """Five distinct values over 2.5 chunks: every top value is tied across chunk borders, so
     the second launch must order the chunks' candidates by id, not by arrival."""

@@ -74,7 +74,9 @@ def _top_of(x, ids, alive, out_values, out_ids, WIDTH: tl.constexpr):
     Each lane is one int64 key, the value's bits made order-preserving in the high half and
     the complement of its id in the low half: a round is then one max (the best value, and the
     lowest id among its ties) below the previous round's key, instead of a max plus a min."""
-    bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+    x = x.to(tl.float32)
+    # -0.0 as +0.0: they tie as values (lowest id first), but their bits would order them.
+    bits = tl.where(x == 0.0, 0, x.to(tl.int32, bitcast=True))
     ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed order = float order
     low = 0xFFFFFFFF - ids.to(tl.int64)  # ids < 2^32: a lower id, a larger key
     none = tl.full((), -(2**63), tl.int64)
