@@ -160,3 +160,6 @@ def test_triton_write_refuses_logits_it_was_not_sized_for():
     channel = LogprobChannel(2, DEPTH, torch.device("cpu"), 300, "triton")
     with pytest.raises(ValueError, match=r"\[<= 2, 300\]"):
         channel.write(torch.tensor([1]), torch.randn(1, 301), torch.tensor([0]), torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"row_slots must be \[2\] with unit stride"):  # a broadcast view
+        channel.write(torch.tensor([1]).expand(2), torch.randn(2, 300), torch.tensor([0, 1]),
+                      torch.zeros(1, dtype=torch.int64))

@@ -39,6 +39,7 @@ import triton.language as tl
 from graphrelay.mirror import MirrorRead
 from graphrelay.runtime import PinnedRing
 
+from .apply import check_row_tensors
 from .params import MAX_LOGPROBS
 
 # Vocabulary columns per program of the first launch, and its warps: a top-k round is a max
@@ -208,6 +209,7 @@ class LogprobChannel:
         if vocab != self.vocab or n > self.max_rows or logits.stride(1) != 1:
             raise ValueError(f"LogprobChannel: logits {tuple(logits.shape)} (strides {logits.stride()}) must be "
                              f"[<= {self.max_rows}, {self.vocab}] with contiguous rows")
+        check_row_tensors("LogprobChannel.write", n, row_slots=row_slots, tokens=tokens)
         _chunk_kernel[(n, self.chunks)](logits, logits.stride(0), row_slots, wants, self._chunk_max, self._chunk_sum,
                                         self._cand_values, self._cand_ids, vocab, self.chunks, WIDTH=self.width,
                                         CHUNK=CHUNK, num_warps=CHUNK_WARPS)
