@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .row_tensors import check_row_tensors
+
 PROMPT_BIT = 1 << 30
 GENERATED_MASK = PROMPT_BIT - 1
 BLOCK = 1024  # tokens per program of the dense pass
@@ -108,16 +110,6 @@ def _bias_kernel(out_ptr, out_stride, slots_ptr, bias_ids_ptr, bias_values_ptr, 
     where = out_ptr + row * out_stride + ids
     # The ids of one slot are distinct (a dict's keys), so no two lanes touch one logit.
     tl.store(where, tl.load(where, mask=used, other=0.0) + values, mask=used)
-
-
-def check_row_tensors(kernel: str, n: int, **rows: torch.Tensor) -> None:
-    """The Triton launches read each per-row tensor as `ptr + row`: each must be [n] with unit
-    stride (a broadcast view, stride 0, would read past its one element). Metadata only, so
-    capturable."""
-    for name, t in rows.items():
-        if t.shape != (n,) or (n > 1 and t.stride(0) != 1):
-            raise ValueError(f"{kernel}: {name} must be [{n}] with unit stride, got {tuple(t.shape)} "
-                             f"strides {t.stride()}: pass .contiguous()")
 
 
 def apply_triton(tables, logits, row_slots, row_steps, row_states, out, row_drafts=None):

@@ -39,7 +39,7 @@ import triton.language as tl
 from graphrelay.mirror import MirrorRead
 from graphrelay.runtime import PinnedRing
 
-from .apply import check_row_tensors
+from .row_tensors import check_row_tensors
 from .params import MAX_LOGPROBS
 
 # Vocabulary columns per program of the first launch, and its warps: a top-k round is a max

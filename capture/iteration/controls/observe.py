@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .apply import check_row_tensors
+from .row_tensors import check_row_tensors
 
 
 def observe_torch(counts: torch.Tensor, next_state: torch.Tensor, slot_state: torch.Tensor, row_slots: torch.Tensor,
