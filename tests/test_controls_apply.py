@@ -237,3 +237,25 @@ def test_span_values_per_row_are_contiguous_copies_request_major(spans, per):
     rows = span_values_per_row(t, spans, per)
     assert rows.is_contiguous() and rows.stride() == (1,)
     assert rows.tolist() == [10 + i for i in range(spans) for _ in range(per)]
+
+
+def test_triton_copies_rows_whose_controls_leave_the_logits_as_they_are_bit_for_bit():
+    """The dense launch copies a row with no penalty, the all-allowed automaton state and
+    min_tokens reached (a request asking only for logprobs, or padding) instead of applying
+    the steps; each control's row is still applied, min_tokens until its step is reached."""
+    c = controls("triton")
+    ref = controls("torch")
+    for k in (c, ref):
+        k.admit(1, ControlParams(logprobs=1), (5,), [2, 3])
+        k.admit(2, ControlParams(min_tokens=3), (5,), [2, 3])  # stop token 5 masked below step 4
+        k.admit(3, ControlParams(repetition_penalty=1.5), (5,), [2, 3])  # prompt tokens 2 and 3
+    logits = torch.randn(6, VOCAB) * 3
+    logits[:, 7] = -0.0
+    logits[0, 9] = float("nan")
+    slots, steps = [1, 2, 2, 3, 0, 1], [4, 3, 4, 4, 0, 1]
+    got, want = run_apply(c, logits, slots, steps), run_apply(ref, logits, slots, steps)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    for row in (0, 2, 4, 5):  # slot 1, slot 2 at its min_tokens step, padding
+        assert torch.equal(got[row].view(torch.int32), logits[row].view(torch.int32))
+    assert got[1, 5] == float("-inf") and got[2, 5] == logits[2, 5]
+    assert not torch.equal(got[3, 2:4], logits[3, 2:4]) and torch.equal(got[3, 4:], logits[3, 4:])  # the penalty acted

@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from graphrelay.capture.iteration.controls.logprobs import CHUNK, LogprobChannel
+from graphrelay.capture.iteration.controls.logprobs import CHUNK, GROUP, LogprobChannel
 from graphrelay.capture.iteration.controls.params import ControlParams
 from graphrelay.capture.iteration.controls.state import ControlsConfig, SamplingControls
 from graphrelay.mirror import MirrorRead
@@ -84,6 +84,30 @@ def test_many_ties_keep_the_lowest_ids_across_chunks():
     ids = triton_channel.host["ids"][5 % DEPTH, :3]
     assert ids[0].tolist() == list(range(4, 5 * width, 5))  # value 4 at 4, 9, 14, ...
     assert torch.equal(ids, stable_top_ids(logits, width))
+
+
+@pytest.mark.parametrize("layout", ["packed", "spread", "one per group"])
+def test_top_values_packed_into_a_few_groups_or_spread_over_many(layout):
+    """The first launch rounds over the groups with the largest maxima, then over their
+    logits: the top `width` must come out whether they fill a few groups (packed: 2 * GROUP
+    consecutive ids, so whole groups hold nothing but top values), sit one per group, or lie
+    across a chunk border."""
+    vocab, width = 2 * CHUNK + 100, 20
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, vocab, generator=g)
+    if layout == "packed":
+        top_ids = torch.arange(CHUNK - GROUP, CHUNK + GROUP)  # two groups each side of the border
+    elif layout == "spread":
+        top_ids = torch.randperm(vocab, generator=g)[:width]
+    else:
+        top_ids = torch.arange(width) * GROUP + GROUP - 1  # each group's last logit
+    logits[:, top_ids] = 10.0 + torch.rand(len(top_ids), generator=g)
+    tokens = torch.tensor([int(top_ids[0]), 0])
+    triton_channel, torch_channel = write_both(logits, tokens, torch.tensor([1, 2]), 1, width)
+    assert_same_logprobs(logits, triton_channel, torch_channel, 1)
+    ids = triton_channel.host["ids"][1, :2]
+    assert torch.equal(ids, stable_top_ids(logits, width))
+    assert set(ids[0].tolist()) <= set(top_ids.tolist())
 
 
 def test_minus_inf_logits_and_chunks_with_no_finite_logit():

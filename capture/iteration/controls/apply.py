@@ -27,6 +27,7 @@ from .row_tensors import check_row_tensors
 PROMPT_BIT = 1 << 30
 GENERATED_MASK = PROMPT_BIT - 1
 BLOCK = 1024  # tokens per program of the dense pass
+DENSE_WARPS = 4
 
 
 class ControlTables(NamedTuple):
@@ -76,27 +77,34 @@ def _dense_kernel(logits_ptr, logits_stride, out_ptr, out_stride, slots_ptr, ste
     slot = tl.load(slots_ptr + row).to(tl.int64)
     step = tl.load(steps_ptr + row).to(tl.int64)
     state = tl.load(states_ptr + row).to(tl.int64)
-    x = tl.load(logits_ptr + row * logits_stride + tokens, mask=valid, other=0.0)
-    counts = tl.load(counts_ptr + slot * vocab + tokens, mask=valid, other=0)
-    if NUM_DRAFTS > 0:
-        j = tl.arange(0, DRAFTS_BLOCK)
-        drafts = tl.load(drafts_ptr + row * NUM_DRAFTS + j, mask=j < NUM_DRAFTS, other=-1)  # [D]
-        counts += tl.sum((tokens[:, None] == drafts[None, :]).to(tl.int32), axis=1)
     freq = tl.load(penalties_ptr + slot * 3)
     pres = tl.load(penalties_ptr + slot * 3 + 1)
     rep = tl.load(penalties_ptr + slot * 3 + 2)
-    generated = (counts & 0x3FFFFFFF).to(tl.float32)
-    # IEEE division and no fused multiply-adds (enable_fp_fusion=False at launch): the same
-    # roundings as the torch reference's separate ops.
-    x = tl.where(counts != 0, tl.where(x > 0, tl.math.div_rn(x, rep), x * rep), x)
-    x = x - generated * freq - (generated > 0).to(tl.float32) * pres
-    word = tl.load(allowed_ptr + state * words + (tokens >> 5), mask=valid, other=0)
-    keep = ((word >> (tokens & 31)) & 1) != 0
     stopping = step < tl.load(eos_until_ptr + slot)
-    stops = tl.load(stop_ptr + slot * NUM_STOP + tl.arange(0, NUM_STOP))  # [S]
-    is_stop = tl.sum((tokens[:, None] == stops[None, :]).to(tl.int32), axis=1) > 0
-    keep = keep & ~(is_stop & stopping)
-    tl.store(out_ptr + row * out_stride + tokens, tl.where(keep, x, float("-inf")), mask=valid)
+    x = tl.load(logits_ptr + row * logits_stride + tokens, mask=valid, other=0.0)
+    # A row whose controls leave its logits as they are (no penalty, the automaton's
+    # all-allowed state 0, min_tokens reached; its bias is the second launch's): each step
+    # below would return x exactly, so it is a copy, without reading its counts and masks
+    # (a batch whose requests only ask for logprobs runs this variant too).
+    if (freq == 0.0) & (pres == 0.0) & (rep == 1.0) & (state == 0) & (stopping == 0):
+        tl.store(out_ptr + row * out_stride + tokens, x, mask=valid)
+    else:
+        counts = tl.load(counts_ptr + slot * vocab + tokens, mask=valid, other=0)
+        if NUM_DRAFTS > 0:
+            j = tl.arange(0, DRAFTS_BLOCK)
+            drafts = tl.load(drafts_ptr + row * NUM_DRAFTS + j, mask=j < NUM_DRAFTS, other=-1)  # [D]
+            counts += tl.sum((tokens[:, None] == drafts[None, :]).to(tl.int32), axis=1)
+        generated = (counts & 0x3FFFFFFF).to(tl.float32)
+        # IEEE division and no fused multiply-adds (enable_fp_fusion=False at launch): the same
+        # roundings as the torch reference's separate ops.
+        x = tl.where(counts != 0, tl.where(x > 0, tl.math.div_rn(x, rep), x * rep), x)
+        x = x - generated * freq - (generated > 0).to(tl.float32) * pres
+        word = tl.load(allowed_ptr + state * words + (tokens >> 5), mask=valid, other=0)
+        keep = ((word >> (tokens & 31)) & 1) != 0
+        stops = tl.load(stop_ptr + slot * NUM_STOP + tl.arange(0, NUM_STOP))  # [S]
+        is_stop = tl.sum((tokens[:, None] == stops[None, :]).to(tl.int32), axis=1) > 0
+        keep = keep & ~(is_stop & stopping)
+        tl.store(out_ptr + row * out_stride + tokens, tl.where(keep, x, float("-inf")), mask=valid)
 
 
 @triton.jit
@@ -126,7 +134,8 @@ def apply_triton(tables, logits, row_slots, row_steps, row_states, out, row_draf
         tables.counts, tables.penalties, tables.eos_until, tables.stop_ids, tables.allowed,
         row_slots if row_drafts is None else row_drafts, vocab, tables.allowed.shape[1],
         NUM_STOP=tables.stop_ids.shape[1], NUM_DRAFTS=num_drafts,
-        DRAFTS_BLOCK=triton.next_power_of_2(max(num_drafts, 1)), BLOCK=BLOCK, enable_fp_fusion=False,
+        DRAFTS_BLOCK=triton.next_power_of_2(max(num_drafts, 1)), BLOCK=BLOCK, num_warps=DENSE_WARPS,
+        enable_fp_fusion=False,
     )
     _bias_kernel[(n,)](out, out.stride(0), row_slots, tables.bias_ids, tables.bias_values,
                        NUM_BIAS=tables.bias_ids.shape[1])

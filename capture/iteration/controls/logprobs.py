@@ -19,7 +19,14 @@ mirror's read of i returned (the same stream wrote both, the channel first).
 On CUDA (or ControlsConfig.backend "triton") `write` is two Triton launches writing the ring
 directly: per (row, vocabulary chunk) the chunk's max, sum of exp and local top `width`, then
 per row the combined logsumexp and the top `width` of the candidates; a row that did not ask
-returns at once from the first and writes only its ring bookkeeping in the second. The torch
+returns at once from the first and writes only its ring bookkeeping in the second.
+
+A top-`width` is `width` rounds of a max, and a round over a whole chunk is what the first
+launch used to spend its time on (ALU-bound: every lane compares in every round). It now
+rounds over much less: the chunk is cut into groups of GROUP logits, and its top `width` lie
+in the `width` groups whose maxima are largest (were an element's group not among them, those
+`width` maxima would be `width` distinct elements above it). So the rounds run over the group
+maxima, then over the logits of the groups they picked, read again from the cache. The torch
 ops
 (`logprob_rows`, a topk over the whole vocabulary plus several small ops, each a graph node)
 stay as the CPU path and the reference: they compute every row, and mark the same rows
@@ -42,11 +49,11 @@ from graphrelay.runtime import PinnedRing
 from .row_tensors import check_row_tensors
 from .params import MAX_LOGPROBS
 
-# Vocabulary columns per program of the first launch, and its warps: a top-k round is a max
-# over the chunk, whose cross-warp part costs the same however wide the chunk, so few wide
-# chunks (SmolLM2's 49,152 tokens: 6 per row) beat many narrow ones.
+# Vocabulary columns per program of the first launch, its warps, and the logits per group of
+# its rounds (SmolLM2's 49,152 tokens: 6 chunks a row, 512 groups a chunk).
 CHUNK = 8192
 CHUNK_WARPS = 8
+GROUP = 16
 ROW_WARPS = 1  # the second launch's rounds run over chunks * width candidates: one warp, no barriers
 
 
@@ -67,21 +74,30 @@ def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, width: int = MAX_LO
 
 
 @triton.jit
-def _top_of(x, ids, alive, out_values, out_ids, WIDTH: tl.constexpr):
-    """`WIDTH` rounds of argmax over the `alive` lanes, lowest id first on ties; a round with
-    no lane left stores -inf and id -1. Membership is tracked apart from the values, so a
-    -inf logit is still a valid pick.
-
-    Each lane is one int64 key, the value's bits made order-preserving in the high half and
-    the complement of its id in the low half: a round is then one max (the best value, and the
-    lowest id among its ties) below the previous round's key, instead of a max plus a min."""
+def _keys(x, ids, alive):
+    """Each lane as one int64 key, larger for a larger value and, among equal values, for a
+    lower id: the value's bits made order-preserving in the high half, the complement of its
+    id in the low half; a lane not `alive` is the smallest key. A max over keys is then the
+    best value and the lowest id among its ties in one reduction (not a max plus a min)."""
     x = x.to(tl.float32)
     # -0.0 as +0.0: they tie as values (lowest id first), but their bits would order them.
     bits = tl.where(x == 0.0, 0, x.to(tl.int32, bitcast=True))
     ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed order = float order
     low = 0xFFFFFFFF - ids.to(tl.int64)  # ids < 2^32: a lower id, a larger key
+    return tl.where(alive, (ordered.to(tl.int64) << 32) | low, tl.full((), -(2**63), tl.int64))
+
+
+@triton.jit
+def _key_id(key):
+    return 0xFFFFFFFF - (key & 0xFFFFFFFF)
+
+
+@triton.jit
+def _top_of(key, out_values, out_ids, WIDTH: tl.constexpr):
+    """`WIDTH` rounds of argmax over `_keys`, lowest id first on ties; a round with no lane
+    left stores -inf and id -1. Membership is the key's, not the value's, so a -inf logit is
+    still a valid pick."""
     none = tl.full((), -(2**63), tl.int64)
-    key = tl.where(alive, (ordered.to(tl.int64) << 32) | low, none)
     previous = tl.full((), 2**63 - 1, tl.int64)
     for k in range(WIDTH):
         best = tl.max(tl.where(key < previous, key, none))
@@ -89,7 +105,7 @@ def _top_of(x, ids, alive, out_values, out_ids, WIDTH: tl.constexpr):
         high = (best >> 32).to(tl.int32)
         value = tl.where(high >= 0, high, high ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
         tl.store(out_values + k, tl.where(found, value, float("-inf")))
-        tl.store(out_ids + k, tl.where(found, 0xFFFFFFFF - (best & 0xFFFFFFFF), -1))
+        tl.store(out_ids + k, tl.where(found, _key_id(best), -1))
         previous = best
 
 
@@ -107,21 +123,41 @@ def _asks(row_slots_ptr, wants_ptr, row):
 
 @triton.jit
 def _chunk_kernel(logits_ptr, logits_stride, row_slots_ptr, wants_ptr, max_ptr, sum_ptr, cand_values_ptr,
-                  cand_ids_ptr, vocab, chunks, WIDTH: tl.constexpr, CHUNK: tl.constexpr):
+                  cand_ids_ptr, vocab, chunks, WIDTH: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr,
+                  PICKED: tl.constexpr):
     row = tl.program_id(0)
     if not _asks(row_slots_ptr, wants_ptr, row):
         return  # the row kernel reads none of this row's chunk results
     chunk = tl.program_id(1)
-    ids = chunk * CHUNK + tl.arange(0, CHUNK).to(tl.int64)
+    first = chunk * CHUNK
+    row_logits = logits_ptr + row * logits_stride
+    ids = first + tl.arange(0, CHUNK).to(tl.int64)
     valid = ids < vocab
-    x = tl.load(logits_ptr + row * logits_stride + ids, mask=valid, other=float("-inf")).to(tl.float32)
+    x = tl.load(row_logits + ids, mask=valid, other=float("-inf")).to(tl.float32)
     m = tl.max(x)
     # Relative to a finite max: an all -inf chunk sums exp(-inf) = 0, not exp(-inf - -inf) = nan.
     s = tl.sum(tl.exp(x - tl.where(m > float("-inf"), m, 0.0)))
     at = row * chunks + chunk
     tl.store(max_ptr + at, m)
     tl.store(sum_ptr + at, s)
-    _top_of(x, ids, valid, cand_values_ptr + at * WIDTH, cand_ids_ptr + at * WIDTH, WIDTH)
+    # The WIDTH groups with the largest maxima (see the module docstring), as group numbers;
+    # -1 past the groups holding a valid logit.
+    groups = tl.max(tl.reshape(_keys(x, ids, valid), (CHUNK // GROUP, GROUP)), axis=1)
+    none = tl.full((), -(2**63), tl.int64)
+    previous = tl.full((), 2**63 - 1, tl.int64)
+    slot = tl.arange(0, PICKED)
+    picked = tl.full((PICKED,), -1, tl.int64)
+    for k in range(WIDTH):
+        best = tl.max(tl.where(groups < previous, groups, none))
+        group = tl.where(best != none, (_key_id(best) - first) // GROUP, -1)
+        picked = tl.where(slot == k, group, picked)
+        previous = best
+    # Their logits again (this program just read them: cache hits), and the top WIDTH of those.
+    picked_ids = first + picked[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [PICKED, GROUP]
+    live = (picked[:, None] >= 0) & (picked_ids < vocab)
+    y = tl.load(row_logits + picked_ids, mask=live, other=float("-inf"))
+    key = tl.reshape(_keys(y, picked_ids, live), (PICKED * GROUP,))
+    _top_of(key, cand_values_ptr + at * WIDTH, cand_ids_ptr + at * WIDTH, WIDTH)
 
 
 @triton.jit
@@ -158,7 +194,8 @@ def _row_kernel(logits_ptr, logits_stride, tokens_ptr, row_slots_ptr, wants_ptr,
     token = tl.minimum(tl.maximum(tl.load(tokens_ptr + row).to(tl.int64), 0), vocab - 1)
     tl.store(values_ptr + out * (1 + WIDTH), tl.load(logits_ptr + row * logits_stride + token).to(tl.float32) - lse)
     # The candidates' ids are distinct (chunks do not overlap); -1 marks a chunk's empty round.
-    _top_of(cand - lse, cand_ids, cand_ids >= 0, values_ptr + out * (1 + WIDTH) + 1, ids_ptr + out * WIDTH, WIDTH)
+    _top_of(_keys(cand - lse, cand_ids, cand_ids >= 0), values_ptr + out * (1 + WIDTH) + 1, ids_ptr + out * WIDTH,
+            WIDTH)
 
 
 class LogprobChannel:
@@ -212,7 +249,8 @@ class LogprobChannel:
         check_row_tensors("LogprobChannel.write", n, row_slots=row_slots, tokens=tokens)
         _chunk_kernel[(n, self.chunks)](logits, logits.stride(0), row_slots, wants, self._chunk_max, self._chunk_sum,
                                         self._cand_values, self._cand_ids, vocab, self.chunks, WIDTH=self.width,
-                                        CHUNK=CHUNK, num_warps=CHUNK_WARPS)
+                                        CHUNK=CHUNK, GROUP=GROUP, PICKED=triton.next_power_of_2(self.width),
+                                        num_warps=CHUNK_WARPS)
         d = self.dev
         _row_kernel[(n,)](logits, logits.stride(0), tokens, row_slots, wants, iteration, self._chunk_max,
                           self._chunk_sum, self._cand_values, self._cand_ids, d["stamps"], d["counts"], d["slots"],
