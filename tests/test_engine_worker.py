@@ -8,6 +8,7 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from graphrelay.capture.serving.engine_worker import EngineStopped, EngineWorker, Overloaded
 from graphrelay.capture.serving.inbox import Inbox
@@ -20,8 +21,8 @@ HANG_S = 60
 class ScriptedLoop:
     """Runs `script(inbox, sink)` as its serve; two slots."""
 
-    def __init__(self, script):
-        self.engine = SimpleNamespace(max_reqs=2, on_gpu=False)
+    def __init__(self, script, device: str = "cpu"):
+        self.engine = SimpleNamespace(max_reqs=2, device=torch.device(device), on_gpu=device.startswith("cuda"))
         self.script = script
 
     def serve(self, inbox: Inbox, sink):
@@ -119,3 +120,40 @@ def test_a_failing_engine_fails_waiting_and_later_requests():
 
     events, health = asyncio.run(main())
     assert isinstance(events[-1], RuntimeError) and health["engine"] == "failed"
+
+
+def test_a_failing_engine_calls_on_failure_once_from_its_thread():
+    """The server hangs its shutdown on this: a dead engine must not leave the server listening."""
+    calls = []
+
+    def script(inbox, sink):
+        raise RuntimeError("capture failed")
+
+    async def main():
+        worker = EngineWorker(ScriptedLoop(script), max_waiting=0)
+        worker.on_failure = lambda: calls.append(isinstance(worker.failure, RuntimeError))
+        worker.start()
+        await asyncio.to_thread(worker._thread.join, HANG_S)
+        return worker.health()
+
+    assert asyncio.run(main())["engine"] == "failed" and calls == [True]
+
+
+@pytest.mark.parametrize("device, bound", [("cuda", 3), ("cuda:1", 1)])
+def test_the_engine_thread_runs_on_the_engines_cuda_device(device, bound, monkeypatch):
+    """A new thread starts on device 0: "cuda" (no index) is the device current where the worker
+    was built, and torch.cuda.set_device refuses a device without an index."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    seen = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: seen.append(index))
+
+    def script(inbox, sink):
+        _next_requests(inbox)  # until closed
+
+    async def main():
+        worker = EngineWorker(ScriptedLoop(script, device), max_waiting=0)
+        worker.start()
+        await worker.stop()
+        return worker.health()
+
+    assert asyncio.run(main())["engine"] == "stopped" and seen == [bound]

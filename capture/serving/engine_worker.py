@@ -20,7 +20,7 @@ import os
 import sys
 import threading
 import traceback
-from typing import NamedTuple, Optional, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
@@ -71,6 +71,14 @@ class EngineWorker:
         self._batch: list[tuple[str, Event]] = []  # engine -> asyncio, under _lock
         self._lock = threading.Lock()
         self._events: Optional[asyncio.AbstractEventLoop] = None
+        # Called once, from the engine thread, when it fails: the server stops (run_server
+        # exits 1, as an engine whose GPU work died cannot be served from again).
+        self.on_failure: Optional[Callable[[], None]] = None
+        # The engine thread's CUDA device, fixed here: "cuda" without an index means the device
+        # current on the thread that built the engine, which a new thread does not inherit.
+        device = loop.engine.device if loop.engine.on_gpu else None
+        self._cuda_index = None if device is None else (
+            device.index if device.index is not None else torch.cuda.current_device())
         self._thread = threading.Thread(target=self._main, name="graphrelay-engine", daemon=True)
 
     # ---- asyncio side -----------------------------------------------------------------------
@@ -129,14 +137,16 @@ class EngineWorker:
 
     def _main(self) -> None:
         try:
-            if self.serving.engine.on_gpu:
-                torch.cuda.set_device(self.serving.engine.device)
+            if self._cuda_index is not None:
+                torch.cuda.set_device(self._cuda_index)
             self.stats = self.serving.serve(self.inbox, self)
         except BaseException as exc:  # noqa: BLE001 - reported to every waiting request and /health
             self.failure = exc
             self._post("", exc)
             print("graphrelay serve: the engine thread failed:", file=sys.stderr)
             traceback.print_exc()
+            if self.on_failure is not None:
+                self.on_failure()
 
     def on_tokens(self, request_id: str, tokens: list[int], logprobs: Optional[list[TokenLogprobs]] = None) -> None:
         self._post(request_id, NewTokens(tokens, logprobs))

@@ -302,6 +302,9 @@ def run_server(loop: ServingLoop, codec: TextCodec, options: ServerOptions, say:
     config = uvicorn.Config(server.app, host=options.host, port=options.port, log_level="warning", access_log=False,
                             lifespan="on", timeout_graceful_shutdown=options.shutdown_grace_s)
     uvicorn_server = uvicorn.Server(config)
+    # A failed engine stops the server (uvicorn polls the flag): /health's 503 alone would keep
+    # a dead server listening, its clients and its supervisor none the wiser.
+    server.worker.on_failure = lambda: setattr(uvicorn_server, "should_exit", True)
     # uvicorn re-raises the signal that stopped it once it is done; these handlers take it, so a
     # requested shutdown ends with exit status 0 instead of the signal's default death.
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -74,17 +74,21 @@ def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, width: int = MAX_LO
 
 
 @triton.jit
+def _ordered(x):
+    """float32 -> int32 in the same order (signed), -0.0 as +0.0: they tie as values (lowest id
+    first), but their bits would order them."""
+    bits = tl.where(x == 0.0, 0, x.to(tl.int32, bitcast=True))
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
 def _keys(x, ids, alive):
     """Each lane as one int64 key, larger for a larger value and, among equal values, for a
-    lower id: the value's bits made order-preserving in the high half, the complement of its
-    id in the low half; a lane not `alive` is the smallest key. A max over keys is then the
-    best value and the lowest id among its ties in one reduction (not a max plus a min)."""
-    x = x.to(tl.float32)
-    # -0.0 as +0.0: they tie as values (lowest id first), but their bits would order them.
-    bits = tl.where(x == 0.0, 0, x.to(tl.int32, bitcast=True))
-    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed order = float order
+    lower id: `_ordered` in the high half, the complement of the id in the low half; a lane not
+    `alive` is the smallest key. A max over keys is then the best value and the lowest id among
+    its ties in one reduction (not a max plus a min)."""
     low = 0xFFFFFFFF - ids.to(tl.int64)  # ids < 2^32: a lower id, a larger key
-    return tl.where(alive, (ordered.to(tl.int64) << 32) | low, tl.full((), -(2**63), tl.int64))
+    return tl.where(alive, (_ordered(x.to(tl.float32)).to(tl.int64) << 32) | low, tl.full((), -(2**63), tl.int64))
 
 
 @triton.jit
@@ -141,9 +145,15 @@ def _chunk_kernel(logits_ptr, logits_stride, row_slots_ptr, wants_ptr, max_ptr, 
     tl.store(max_ptr + at, m)
     tl.store(sum_ptr + at, s)
     # The WIDTH groups with the largest maxima (see the module docstring), as group numbers;
-    # -1 past the groups holding a valid logit.
-    groups = tl.max(tl.reshape(_keys(x, ids, valid), (CHUNK // GROUP, GROUP)), axis=1)
+    # -1 past the groups holding a valid logit. A group's key is its best value's order, then
+    # the complement of its first id: groups are contiguous ranges of ids, so among equal
+    # values the lower group holds the lower ids, the order of its best logit's `_keys`. Built
+    # per group from int32 maxima, not per logit: the pass over the chunk stays 32-bit.
+    ordered = tl.where(valid, _ordered(x), -(2**31))  # a masked lane is no group's max
+    group_first = first + tl.arange(0, CHUNK // GROUP).to(tl.int64) * GROUP
+    group_best = tl.max(tl.reshape(ordered, (CHUNK // GROUP, GROUP)), axis=1).to(tl.int64)
     none = tl.full((), -(2**63), tl.int64)
+    groups = tl.where(group_first < vocab, (group_best << 32) | (0xFFFFFFFF - group_first), none)
     previous = tl.full((), 2**63 - 1, tl.int64)
     slot = tl.arange(0, PICKED)
     picked = tl.full((PICKED,), -1, tl.int64)
