@@ -100,6 +100,10 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
         --out "$out/offline"
     step bench-serve-http bash tools/bench_serve_http.sh "$py" "$out" ${GPU_CHECK_RATES:-25,50,100,200,400,800,1600,inf}
     step bench-soak bash tools/bench_serve_http.sh --soak "$py" "$out"
+    # The same soak in float32: bf16 outputs may move with batch composition, float32's
+    # rounding differences are ~1e-6, so a mismatch here points at serving, not numerics.
+    step bench-soak-f32 env GRAPHRELAY_SOAK_SERVER_ARGS="--dtype float32" bash tools/bench_serve_http.sh --soak \
+        "$py" "$out/soak_f32"
     step bench-json "$py" -m graphrelay.tools.cli bench json --out "$out"
     step bench-spec "$py" -m graphrelay.tools.cli bench spec --out "$out"
     step bench-controls "$py" -m graphrelay.tools.cli bench controls --out "$out"
