@@ -73,6 +73,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     presence_penalty: Optional[float] = None
     repetition_penalty: Optional[float] = None  # vLLM's
     min_tokens: Optional[int] = None  # vLLM's
+    ignore_eos: bool = False  # vLLM's: the model's stop tokens do not end the request (benchmarks' fixed lengths)
     logit_bias: Optional[dict[str, float]] = None  # token id -> bias
     response_format: Any = None
     structured_outputs: Any = None  # vLLM's, and its older guided_regex / guided_json
@@ -229,8 +230,9 @@ def _prepare(body: _Sampling, prompt: list[int], max_tokens: Optional[int], defa
         raise ApiError(f"{name} needs the engine's sampling controls, and this server was started without them "
                        f"(serve --no-controls); leave {name} out or restart the server without --no-controls",
                        param=name, code="controls_disabled")
-    request = Request(id=uuid.uuid4().hex, prompt=prompt, max_new_tokens=max_tokens, stop_tokens=codec.stop_tokens,
-                      sampling=sampling, stop=stop, controls=controls)
+    request = Request(id=uuid.uuid4().hex, prompt=prompt, max_new_tokens=max_tokens,
+                      stop_tokens=() if body.ignore_eos else codec.stop_tokens, sampling=sampling, stop=stop,
+                      controls=controls)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     return Prepared(request, body.stream, include_usage, int(time.time()), tuple(given))
 
