@@ -54,6 +54,7 @@ SMOKE = dict(model="tiny", weights="random", requests=8, prompt_len=(4, 16), out
 WARM_OUTPUT_LEN = 8  # tokens per request in the untimed run: compiles and first-use allocations
 PROMPT_FORMATS = ("ids", "text")
 CLIENT_LAG_WARN_MS, CLIENT_BUSY_WARN = 10.0, 0.8  # beyond either, say the client limited the run
+MAX_CLIENT_PROCS = 128  # --client-procs: a typo's 10000 would spawn 10000 interpreters
 
 
 class Plan(msgspec.Struct, frozen=True):
@@ -72,6 +73,7 @@ class Plan(msgspec.Struct, frozen=True):
     timeout_s: float
     smoke: bool
     tp: tuple[int, ...] = ()  # tensor-parallel sizes to sweep at; () = one plain run
+    client_procs: int = 1  # --url: client processes sending the requests (1 in process)
 
 
 def rate_list(text: str) -> list[float]:
@@ -126,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="ids",
                         help="--url: send prompts as token ids or as text (text needs the real model's tokenizer; default ids)")
     parser.add_argument("--timeout-s", type=positive_float, default=600.0, help="--url: per-request timeout (default 600)")
+    parser.add_argument("--client-procs", type=options.positive_int, default=None, metavar="N",
+                        help="--url: client processes to send from, request i from process i %% N, so the client "
+                             "is not the bottleneck (default half the cores, at most 8; 1 = this process)")
     options.add_output_options(parser, "tiny random model, 8 short requests at rates 50 and inf, 4 slots "
                                        "(works on CPU, eager): checks the code paths")
     return parser
@@ -139,8 +144,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
     options.require_within("--num-requests", [args.num_requests or defaults["requests"]], 1, 1_000_000)
     options.require_within("--max-reqs", [args.max_reqs or defaults["max_reqs"]], 1, 4096)
     if args.url is None:
-        unused = [flag for flag, value in (("--served-model", args.served_model), ("--prompt-format", args.prompt_format != "ids"))
-                  if value]
+        given = (("--served-model", args.served_model), ("--prompt-format", args.prompt_format != "ids"),
+                 ("--client-procs", args.client_procs is not None))
+        unused = [flag for flag, value in given if value]
         if unused:
             raise options.UsageError(f"{unused[0]} applies to --url only; add --url URL or drop {unused[0]}")
     elif not args.url.startswith(("http://", "https://")):
@@ -149,13 +155,18 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise options.UsageError("--max-reqs sizes the in-process engine; with --url the server has its own: drop it")
     elif args.tp is not None:
         raise options.UsageError("--tp sizes the in-process engine; with --url the server has its own: drop it")
+    options.require_within("--client-procs", [args.client_procs or 1], 1, MAX_CLIENT_PROCS)
+    client_procs = args.client_procs or 1
+    if args.url is not None and args.client_procs is None:
+        from graphrelay.tools.bench.serve_http import default_client_procs  # httpx: only --url needs it
+        client_procs = default_client_procs()
     model = args.model or (TP_MODEL if args.tp and not args.smoke else defaults["model"])
     return Plan(model=model, weights=args.weights or defaults["weights"], gguf=args.gguf,
                 requests=args.num_requests or defaults["requests"], lengths=Lengths(prompt_len, output_len),
                 rates=tuple(args.rates or rate_list(defaults["rates"])), max_reqs=args.max_reqs or defaults["max_reqs"],
                 seed=args.seed, slo_ttft_ms=args.slo_ttft_ms, url=args.url.rstrip("/") if args.url else None,
                 served_model=args.served_model, prompt_format=args.prompt_format, timeout_s=args.timeout_s,
-                smoke=args.smoke, tp=tuple(args.tp or ()))
+                smoke=args.smoke, tp=tuple(args.tp or ()), client_procs=client_procs)
 
 
 def main(argv: list[str]) -> int:
@@ -301,13 +312,14 @@ def run_over_http(plan: Plan, command: list[str], out) -> int:
     prompts = [codec.decode(r.prompt) if plan.prompt_format == "text" else r.prompt for r in requests]
     unit = unit_arrivals(len(requests), plan.seed)
     start, points = time.perf_counter(), []
-    say(f"{len(requests)} requests per rate to {plan.url} (model {model}, prompts as {plan.prompt_format})")
+    say(f"{len(requests)} requests per rate to {plan.url} (model {model}, prompts as {plan.prompt_format}, "
+        f"from {plan.client_procs} client process{'es' if plan.client_procs > 1 else ''})")
     for rate in plan.rates:
         scheduled = at_rate(requests, unit, rate)
-        run = run_http(plan.url, model, scheduled, prompts, plan.timeout_s)
+        run = run_http(plan.url, model, scheduled, prompts, plan.timeout_s, plan.client_procs)
         # A client that cannot keep up sends late and reads late: then it, not the server, set the figures.
         lag = distribution([(t.due_s - r.arrival) * 1e3 for t, r in zip(run.timings, scheduled)])
-        busy = run.client_cpu_s / run.duration_s if run.duration_s > 0 else 0.0
+        busy = run.client_cpu_s / run.duration_s if run.duration_s > 0 else 0.0  # the busiest client process
         points.append({"rate": rate, **summarize(run.timings, run.duration_s), "client_send_lag_ms": lag,
                        "client_cpu_fraction": busy})
         late = lag["p99"] > CLIENT_LAG_WARN_MS or busy > CLIENT_BUSY_WARN
