@@ -192,6 +192,7 @@ def test_http_counts_tokens_from_usage_and_times_from_the_stream(stub_server):
         body = bodies[tuple(request.prompt)]
         assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
         assert body["model"] == "stub-model" and body["max_tokens"] == request.max_new_tokens
+        assert body["ignore_eos"] is True  # the in-process workload's lengths, not the model's end of text
         assert timing.ok and timing.id == request.id
         assert timing.output_tokens == stub_token_count(body)  # from usage, not from the chunk count
         # Sent no earlier than due; the first token a stub "prefill" later; chunks in order.

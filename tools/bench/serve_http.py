@@ -225,8 +225,10 @@ async def stream_events(client: httpx.AsyncClient, body: dict) -> AsyncIterator[
 
 async def _one(client: httpx.AsyncClient, model: str, request: Request, prompt, start: float) -> Timing:
     await asyncio.sleep(max(0.0, request.arrival - (time.perf_counter() - start)))
+    # ignore_eos: the in-process workload has no stop tokens, so each request makes its planned
+    # length; without it a real model's early end of text would shorten the HTTP run's work.
     body = {"model": model, "prompt": prompt, "max_tokens": request.max_new_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     sent = time.perf_counter() - start
     times: list[float] = []
     usage_tokens: Optional[int] = None

@@ -4,7 +4,8 @@ The requests (prompts and output lengths) are drawn once and shared by every rat
 so rates differ only in when requests arrive. Arrivals come from one seeded draw of unit-rate
 exponential gaps, scaled by 1 / rate: the sweep replays the same arrival pattern faster or
 slower, and rate inf sends everything at time 0. Requests carry no stop tokens, so each makes
-exactly its output length in process (over HTTP a server may still stop at its end of turn).
+exactly its output length in process; over HTTP they ask for `ignore_eos` (vLLM's, and
+graphrelay's), so a server that honours it streams the same lengths.
 """
 
 from __future__ import annotations
