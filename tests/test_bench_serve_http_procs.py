@@ -112,7 +112,8 @@ class ExitsWhenUnpickled:
 
 
 def test_a_client_process_that_dies_is_an_error_not_a_hang(stamped_server):
-    from graphrelay.tools.bench.serve_http import READY_TIMEOUT_S, ClientFailed, run_http
+    from graphrelay.tools.bench.client_procs import READY_TIMEOUT_S, ClientFailed
+    from graphrelay.tools.bench.serve_http import run_http
 
     url, _ = stamped_server
     requests = smoke_requests()[:2]
@@ -123,7 +124,8 @@ def test_a_client_process_that_dies_is_an_error_not_a_hang(stamped_server):
 
 
 def test_a_client_process_that_raises_reports_its_traceback(stamped_server):
-    from graphrelay.tools.bench.serve_http import ClientFailed, run_http
+    from graphrelay.tools.bench.client_procs import ClientFailed
+    from graphrelay.tools.bench.serve_http import run_http
 
     url, _ = stamped_server
     requests = smoke_requests()[:2]

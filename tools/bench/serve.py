@@ -37,6 +37,7 @@ from graphrelay.capture.parallel.tp_serve import check_ranks, lead_rank
 from graphrelay.capture.serving.loop import RequestOutput, ServingLoop
 from graphrelay.capture.serving.workloads import Request
 from graphrelay.tools.bench import options
+from graphrelay.tools.bench.client_procs import default_client_procs
 from graphrelay.tools.bench.serve_metrics import Timing, distribution, highest_rate_within, summarize
 from graphrelay.tools.bench.serve_report import (COMMAND, http_targets, point_line, say, serve_targets, write_report,
                                                  write_tp_summary)
@@ -158,7 +159,6 @@ def make_plan(args: argparse.Namespace) -> Plan:
     options.require_within("--client-procs", [args.client_procs or 1], 1, MAX_CLIENT_PROCS)
     client_procs = args.client_procs or 1
     if args.url is not None and args.client_procs is None:
-        from graphrelay.tools.bench.serve_http import default_client_procs  # httpx: only --url needs it
         client_procs = default_client_procs()
     model = args.model or (TP_MODEL if args.tp and not args.smoke else defaults["model"])
     return Plan(model=model, weights=args.weights or defaults["weights"], gguf=args.gguf,

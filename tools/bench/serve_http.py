@@ -9,35 +9,27 @@ Connections are not pooled down: at rate inf every request is in flight at once.
 
 One Python process cannot parse every event of a fast server (measured on the H200 host: at 100
 requests/s one client sat at 100% CPU and sent 221 ms late at p99), so `run_http` spreads the
-requests over `procs` client processes: request i goes to process i % procs. They are spawned
-(the parent may hold CUDA and threads), each imports and builds its client, says it is ready,
-then all get one start instant a little ahead and keep the schedule from it. With procs = 1
-the requests go out from this process, nothing spawned.
+requests over `procs` client processes (`client_procs`, one start instant for all): request i
+goes to process i % procs. With procs = 1 the requests go out from this process, nothing
+spawned.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import multiprocessing
-import os
-import queue
 import time
-import traceback
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
 import httpx
 import msgspec
 
 from graphrelay.capture.serving.workloads import Request
+from graphrelay.tools.bench.client_procs import run_shares
 from graphrelay.tools.bench.options import UsageError
 from graphrelay.tools.bench.serve_metrics import Timing
 
 CONNECT_TIMEOUT_S = 10.0
-READY_TIMEOUT_S = 120.0  # a spawned client imports torch (via graphrelay) before it is ready: seconds on a busy host
-START_LEAD_S = 0.25  # the shared start is this far after the last client is ready, so every one is waiting
-POLL_S = 0.2  # how often the parent looks for a client process that died without a word
-JOIN_S = 10.0  # a client that has reported exits at once: past this it is ended
 _decode = msgspec.json.Decoder()
 
 
@@ -67,22 +59,12 @@ def pick_model(url: str, asked: Optional[str]) -> str:
     return asked or models[0]
 
 
-def default_client_procs() -> int:
-    """Half the cores (the server may share the host), at least 1, at most 8: one process was
-    client-bound at 100 requests/s, and 8 split the default sweep's top finite rate (800) so."""
-    return min(8, max(1, (os.cpu_count() or 1) // 2))
-
-
 class HttpRun(msgspec.Struct):
     timings: list[Timing]  # in the order of the requests, whichever process sent each
     duration_s: float  # the start to the last token
     # The busiest client process's CPU time meanwhile (the only one, with procs = 1): near
     # duration_s, that process was the bottleneck, whatever the others did.
     client_cpu_s: float
-
-
-class ClientFailed(RuntimeError):
-    """A client process crashed, or did not report in time: the run has no figures."""
 
 
 def run_http(url: str, model: str, requests: list[Request], prompts: list[Union[list[int], str]],
@@ -95,7 +77,8 @@ def run_http(url: str, model: str, requests: list[Request], prompts: list[Union[
         shares = [asyncio.run(_send_share(url, model, jobs, timeout_s, time.perf_counter))]
     else:
         last_arrival = max(r.arrival for r in requests)
-        shares = _run_processes(url, model, [jobs[k::procs] for k in range(procs)], timeout_s, last_arrival)
+        shares = run_shares(_send_share, (url, model), [jobs[k::procs] for k in range(procs)], timeout_s,
+                            last_arrival)
     timings = [shares[i % procs][0][i // procs] for i in range(len(jobs))]  # back in request order
     ends = [t.token_times_s[-1] for t in timings if t.ok]
     duration = max(ends, default=max(end for _, _, end in shares))
@@ -114,88 +97,6 @@ async def _send_share(url: str, model: str, jobs: list, timeout_s: float, wait_s
         cpu = time.process_time()
         timings = await asyncio.gather(*(_one(client, model, r, p, start) for r, p in jobs))
         return list(timings), time.process_time() - cpu, time.perf_counter() - start
-
-
-def _client_process(index: int, url: str, model: str, jobs: list, timeout_s: float, go, results) -> None:
-    """A spawned client: build the client, say "ready", wait for the start instant, send its
-    share, report it. Any failure is reported with its traceback rather than left to a hang."""
-    def wait_start() -> float:
-        results.put(("ready", index))
-        return go.get(timeout=READY_TIMEOUT_S)  # the parent gave up if it never comes
-
-    try:
-        results.put(("done", index, asyncio.run(_send_share(url, model, jobs, timeout_s, wait_start))))
-    except BaseException:  # whatever it was, the parent must hear of it
-        results.put(("failed", index, traceback.format_exc()))
-
-
-def _run_processes(url: str, model: str, shares: list[list], timeout_s: float, last_arrival: float) -> list[Share]:
-    context = multiprocessing.get_context("spawn")  # no fork: the parent may hold CUDA and threads
-    go, results = context.Queue(), context.Queue()
-    processes = [context.Process(target=_client_process, args=(k, url, model, jobs, timeout_s, go, results),
-                                 name=f"bench-serve-client-{k}", daemon=True) for k, jobs in enumerate(shares)]
-    try:
-        for process in processes:
-            process.start()
-        _gather(processes, results, "ready", READY_TIMEOUT_S)
-        # On Linux time.perf_counter() (like time.monotonic()) is CLOCK_MONOTONIC: one clock for
-        # the whole system, so an instant read here means the same instant in every child.
-        start = time.perf_counter() + START_LEAD_S
-        for _ in processes:
-            go.put(start)
-        # Every request is due by last_arrival and then gives up after timeout_s of silence; a
-        # live client that has not reported by then (plus a margin) counts as hung.
-        done = _gather(processes, results, "done", START_LEAD_S + last_arrival + timeout_s + JOIN_S)
-        return [done[k][2] for k in range(len(processes))]
-    except BaseException:  # the others would wait out their own timeouts: end them now
-        for process in processes:
-            if process.is_alive():
-                process.terminate()
-        raise
-    finally:  # every result was read (or the run failed): no child is left blocked on a full pipe
-        for process in (p for p in processes if p.pid is not None):
-            process.join(timeout=JOIN_S)
-            if process.is_alive():
-                process.terminate()
-                process.join(timeout=JOIN_S)
-
-
-def _gather(processes: list, results, kind: str, within_s: float) -> dict[int, tuple]:
-    """Each process's `kind` message, by index. Raises `ClientFailed` for a failure a child
-    reports, a child that exits without reporting, or none of that within `within_s`."""
-    got: dict[int, tuple] = {}
-    deadline = time.monotonic() + within_s
-    while len(got) < len(processes):
-        try:
-            message = results.get(timeout=POLL_S)
-        except queue.Empty:
-            silent = [k for k, p in enumerate(processes) if k not in got and not p.is_alive()]
-            if silent and not _drained(results, got, kind):  # not a message put just before it exited
-                raise ClientFailed(f"bench serve client process {silent[0]} exited (status "
-                                   f"{processes[silent[0]].exitcode}) before it reported {kind}") from None
-            if not silent and time.monotonic() > deadline:
-                missing = sorted(set(range(len(processes))) - set(got))
-                raise ClientFailed(f"bench serve client processes {missing} did not report {kind} "
-                                   f"within {within_s:.0f} s") from None
-            continue
-        _take(message, got, kind)
-    return got
-
-
-def _drained(results, got: dict, kind: str) -> bool:
-    """One more look at the queue: a child may put its message and exit between two looks."""
-    try:
-        _take(results.get(timeout=POLL_S), got, kind)
-        return True
-    except queue.Empty:
-        return False
-
-
-def _take(message: tuple, got: dict, kind: str) -> None:
-    if message[0] == "failed":
-        raise ClientFailed(f"bench serve client process {message[1]} failed:\n{message[2]}")
-    assert message[0] == kind, f"a client process said {message[0]!r} when {kind!r} was due"
-    got[message[1]] = message
 
 
 def async_client(url: str, timeout_s: float) -> httpx.AsyncClient:
