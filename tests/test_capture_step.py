@@ -126,6 +126,9 @@ def test_chunks_that_do_not_end_their_prompt_report_nothing():
 
 @pytest.mark.parametrize("spans, match", [
     ([decode_span(0, GREEDY)], "slot must be an int in 1..4"),
+    ([decode_span(1, GREEDY), decode_span(5, GREEDY)], r"slot must be an int in 1..4 \(0 is padding\), got 5"),
+    ([decode_span(2, GREEDY), decode_span("3", GREEDY)], r"slot must be an int in 1..4 \(0 is padding\), got '3'"),
+    ([decode_span(2, GREEDY), decode_span(1.0, GREEDY)], r"got 1\.0"),
     ([decode_span(1, GREEDY), decode_span(1, GREEDY)], "one span per slot"),
     ([prefill_span(1, GREEDY, list(range(1, 40)), 0, True)], "exceeds max_tokens 32"),
     ([prefill_span(1, GREEDY, [1, 2], MODEL.max_seq_len - 1, True)], "exceeds max_seq_len"),

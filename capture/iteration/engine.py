@@ -221,13 +221,17 @@ class Engine:
         slots = [s.slot for s in spans]
         if len(set(slots)) != len(slots):
             raise ValueError("an iteration holds at most one span per slot")
-        for span in spans:
-            if not isinstance(span.slot, int) or not 1 <= span.slot <= self.max_reqs:
-                raise ValueError(f"span slot must be an int in 1..{self.max_reqs} (0 is padding), got {span.slot!r}")
-            if span.tokens and not 0 <= span.start <= c.max_seq_len - len(span.tokens):
+        # The common case in C loops (type, min, max: this runs every iteration, ~100 µs at 256
+        # spans as a Python loop); the first bad slot named when it fails.
+        if not set(map(type, slots)) <= {int, bool} or min(slots) < 1 or max(slots) > self.max_reqs:
+            bad = next(x for x in slots if not isinstance(x, int) or not 1 <= x <= self.max_reqs)
+            raise ValueError(f"span slot must be an int in 1..{self.max_reqs} (0 is padding), got {bad!r}")
+        chunks = [span for span in spans if span.tokens]
+        for span in chunks:
+            if not 0 <= span.start <= c.max_seq_len - len(span.tokens):
                 raise ValueError(f"prompt chunk for slot {span.slot}: start {span.start} + length "
                                  f"{len(span.tokens)} exceeds max_seq_len {c.max_seq_len}")
-        tokens = sum(self.span_tokens(s) for s in spans)
+        tokens = sum(len(span.tokens) for span in chunks) + (len(spans) - len(chunks)) * self.config.tokens_per_decode
         if tokens > self.max_tokens:
             raise ValueError(f"an iteration of {tokens} tokens exceeds max_tokens {self.max_tokens}; "
                              f"schedule fewer prompt tokens per iteration")

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from graphrelay.capture.iteration.spans import Span
-from graphrelay.capture.kernels.varlen_attention import Q_BLOCK, max_q_blocks, q_blocks
+from graphrelay.capture.kernels.varlen_attention import Q_BLOCK, max_q_blocks, q_block_arrays
 from graphrelay.runtime import Event
 
 _ALIGN = 16  # bytes: every field view starts 16-byte aligned
@@ -206,7 +206,7 @@ class IterationInputs:
         for r, span in enumerate(spans):
             if span.tokens:
                 host["ids"][q_start[r]: q_start[r] + lengths[r]] = span.tokens
-        block_start, block_len = q_blocks(lengths, starts[:-1].tolist(), q_block=g.q_block)
+        block_start, block_len = q_block_arrays(np.asarray(lengths, dtype=np.int64), q_start, g.q_block)
         host["q_block_start"][: len(block_start)] = block_start
         host["q_block_len"][: len(block_len)] = block_len
 

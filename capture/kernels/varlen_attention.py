@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -204,22 +205,25 @@ def q_blocks(span_lengths: list[int], span_starts: list[int], num_blocks: int | 
     if len(span_lengths) != len(span_starts):
         raise ValueError(f"span_lengths and span_starts differ in length: "
                          f"{len(span_lengths)} vs {len(span_starts)}")
-    starts: list[int] = []
-    lens: list[int] = []
-    for length, start in zip(span_lengths, span_starts):
-        if length < 1 or start < 0:
-            raise ValueError(f"a span needs length >= 1 and start >= 0, got length {length} at {start}")
-        for offset in range(0, length, q_block):
-            starts.append(start + offset)
-            lens.append(min(q_block, length - offset))
-    if num_blocks is not None:
-        if len(starts) > num_blocks:
-            raise ValueError(f"the spans need {len(starts)} q-blocks, more than num_blocks={num_blocks}: "
-                             f"size num_blocks with max_q_blocks(tokens, spans, q_block)")
-        padding = num_blocks - len(starts)
-        starts += [0] * padding
-        lens += [0] * padding
-    return starts, lens
+    lengths, first = np.asarray(span_lengths, dtype=np.int64), np.asarray(span_starts, dtype=np.int64)
+    bad = np.flatnonzero((lengths < 1) | (first < 0))
+    if bad.size:
+        raise ValueError(f"a span needs length >= 1 and start >= 0, got length {lengths[bad[0]]} at {first[bad[0]]}")
+    starts, lens = q_block_arrays(lengths, first, q_block)
+    if num_blocks is not None and len(starts) > num_blocks:
+        raise ValueError(f"the spans need {len(starts)} q-blocks, more than num_blocks={num_blocks}: "
+                         f"size num_blocks with max_q_blocks(tokens, spans, q_block)")
+    padding = 0 if num_blocks is None else num_blocks - len(starts)
+    return starts.tolist() + [0] * padding, lens.tolist() + [0] * padding
+
+
+def q_block_arrays(lengths: np.ndarray, starts: np.ndarray, q_block: int) -> tuple[np.ndarray, np.ndarray]:
+    """`q_blocks` without its checks or padding, on int64 arrays: the scheduler's path, where
+    a per-block Python loop cost ~200 µs an iteration at 256 spans."""
+    counts = -(-lengths // q_block)  # blocks per span
+    span = np.repeat(np.arange(len(lengths)), counts)
+    offset = (np.arange(span.size) - np.repeat(np.cumsum(counts) - counts, counts)) * q_block
+    return starts[span] + offset, np.minimum(q_block, lengths[span] - offset)
 
 
 def identity_block_table(num_slots: int, max_seq_len: int, page: int = PAGE,
