@@ -217,14 +217,16 @@ class _Run:
         Returns the spans and how many are decode spans."""
         engine = self.engine
         spans: list[Span] = []
-        for slot in self.order:
+        prompts: list[_Live] = []  # unfinished prompts, in admission order
+        for slot in self.order:  # one pass: it runs every iteration over every running request
             live = self.live[slot]
-            if len(spans) < engine.max_batch and live.wants_decode():
+            if live.prompt_left():
+                prompts.append(live)
+            elif len(spans) < engine.max_batch and live.wants_decode():
                 spans.append(decode_span(slot, live.request.sampling))
                 live.scheduled += 1  # at least one: speculation may add more, known an iteration late
         decodes = len(spans)
         budget = engine.max_tokens - decodes * engine.config.tokens_per_decode
-        prompts = [self.live[s] for s in self.order if self.live[s].done is None and self.live[s].prompt_left()]
         now = self.clock.elapsed()
         while budget > 0 and len(spans) < engine.max_batch:
             if prompts:
@@ -279,7 +281,8 @@ class _Run:
         slots, tokens = fresh.slots.tolist(), fresh.tokens.tolist()
         decoded = self.decode_slots.pop(iteration, set())
         self.request_steps += len(decoded.intersection(slots))
-        self.decode_tokens += sum(slot in decoded for slot in slots)
+        self.decode_tokens += sum(map(decoded.__contains__, slots))
+        now = self.clock.elapsed()  # the read's instant: every token it carries arrived then
         logprobs = self.engine.read_logprobs(read)
         logprobs = [None] * len(fresh) if logprobs is None else [lp for lp, s in zip(logprobs, read.stale.tolist()) if not s]
         touched: dict[int, _Live] = {}
@@ -289,7 +292,7 @@ class _Run:
             if live is None or live.done is not None:
                 continue  # the request finished while this iteration was in flight: discard
             touched[slot] = live
-            output = self._append(live, token, lp)
+            output = self._append(live, token, lp, now)
             if output is not None:
                 finished.append(output)
         # Tokens first, then the finishes: a request's last tokens reach the sink before its end.
@@ -300,8 +303,7 @@ class _Run:
         for output in finished:
             self.sink.on_finish(output)
 
-    def _append(self, live: _Live, token: int, logprobs: Optional[TokenLogprobs] = None) -> Optional[RequestOutput]:
-        now = self.clock.elapsed()
+    def _append(self, live: _Live, token: int, logprobs: Optional[TokenLogprobs], now: float) -> Optional[RequestOutput]:
         if not live.tokens:
             live.first_token_s = now
         live.tokens.append(token)
