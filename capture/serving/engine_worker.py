@@ -3,10 +3,11 @@
 One thread, the only one that touches the GPU, runs `ServingLoop.serve` for the server's
 whole life. The asyncio side talks to it through the loop's `Inbox` (submit, abort, close:
 never blocking the engine) and hears back through this worker, the loop's `Sink`: results
-are batched under a lock and handed to the event loop with one `call_soon_threadsafe` per
-batch, not per token, then fanned out to each request's `asyncio.Queue`. Those three calls
-and one stream of results are the whole interface, so the engine could move into its own
-process behind a pipe without the HTTP layer changing.
+are batched in a deque (no lock: its appends and pops are atomic) and handed to the event
+loop with one `call_soon_threadsafe` per batch, not per token, then fanned out to each
+request's `asyncio.Queue`. Those three calls and one stream of results are the whole
+interface, so the engine could move into its own process behind a pipe without the HTTP
+layer changing.
 
 Admission is bounded here, on the asyncio side: at most `slots + max_waiting` requests are
 outstanding (submitted and not yet reported finished); past that `submit` refuses, and the
@@ -19,6 +20,7 @@ import asyncio
 import os
 import sys
 import threading
+from collections import deque
 import traceback
 from typing import Callable, NamedTuple, Optional, Union
 
@@ -68,8 +70,10 @@ class EngineWorker:
         self._outstanding = 0  # asyncio thread only
         self._finished: dict[str, int] = {}  # finish reason -> requests (asyncio thread only)
         self._queues: dict[str, asyncio.Queue] = {}  # asyncio thread only
-        self._batch: list[tuple[str, Event]] = []  # engine -> asyncio, under _lock
-        self._lock = threading.Lock()
+        # engine -> asyncio: deque appends and pops are atomic, so the engine thread posts each
+        # request's tokens without a lock (256 streams: one post each per iteration).
+        self._batch: deque[tuple[str, Event]] = deque()
+        self._wake_scheduled = False  # a _deliver is queued on the event loop and has not started
         self._events: Optional[asyncio.AbstractEventLoop] = None
         # Called once, from the engine thread, when it fails: the server stops (run_server
         # exits 1, as an engine whose GPU work died cannot be served from again).
@@ -117,8 +121,10 @@ class EngineWorker:
                 **self.serving.occupancy(), "rss_bytes": resident_bytes()}
 
     def _deliver(self) -> None:
-        with self._lock:
-            batch, self._batch = self._batch, []
+        # Cleared before draining: an event posted from here on either is drained below or
+        # queues the next delivery itself; none is left waiting with no delivery to come.
+        self._wake_scheduled = False
+        batch = [self._batch.popleft() for _ in range(len(self._batch))]
         for request_id, event in batch:
             if isinstance(event, BaseException):
                 for queue in self._queues.values():
@@ -155,8 +161,7 @@ class EngineWorker:
         self._post(output.id, output)
 
     def _post(self, request_id: str, event: Event) -> None:
-        with self._lock:
-            wake = not self._batch  # a delivery is already scheduled for a non-empty batch
-            self._batch.append((request_id, event))
-        if wake:
+        self._batch.append((request_id, event))
+        if not self._wake_scheduled:
+            self._wake_scheduled = True
             self._events.call_soon_threadsafe(self._deliver)
