@@ -20,8 +20,8 @@ import asyncio
 import os
 import sys
 import threading
-from collections import deque
 import traceback
+from collections import deque
 from typing import Callable, NamedTuple, Optional, Union
 
 import torch
