@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from graphrelay.capture.kernels.varlen_attention import Q_BLOCK, max_q_blocks, q_blocks
+from graphrelay.capture.kernels.q_blocks import Q_BLOCK, max_q_blocks, q_blocks
 
 
 def naive_attention(q, k_cache, v_cache, slots, positions, scale):

@@ -12,14 +12,12 @@ from hypothesis import strategies as st
 
 from attention_cases import flat_batch, naive_attention, permuted_pages, random_cache
 from graphrelay.capture.kernels.attention import decode_attention_reference, prefill_attention
+from graphrelay.capture.kernels.q_blocks import Q_BLOCK, max_q_blocks, q_blocks
 from graphrelay.capture.kernels.varlen_attention import (
     PAGE,
-    Q_BLOCK,
     VarlenWorkspace,
     identity_block_table,
-    max_q_blocks,
     pick_varlen_splits,
-    q_blocks,
     varlen_attention,
 )
 from graphrelay.lint import lint_step

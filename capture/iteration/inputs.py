@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from graphrelay.capture.iteration.spans import Span
-from graphrelay.capture.kernels.varlen_attention import Q_BLOCK, max_q_blocks, q_block_arrays
+from graphrelay.capture.kernels.q_blocks import Q_BLOCK, max_q_blocks, q_block_arrays
 from graphrelay.runtime import Event
 
 _ALIGN = 16  # bytes: every field view starts 16-byte aligned

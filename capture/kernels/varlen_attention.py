@@ -11,13 +11,14 @@ The cache `[num_slots, max_seq_len, kvh, d]` is read as pages: viewed as
 `block_table[s, p // page]`, row `p % page`. The page size is `max_seq_len // pages_per_slot`
 (the table's width), so a paged cache or shared prefixes need a new table, not a new kernel.
 
-Work comes in q-blocks, built on the host (`q_blocks`): up to `q_block` consecutive flat tokens
-of one span (`Q_BLOCK` by default; a static per-bucket choice: decode-only buckets can use 1,
-so their programs do the old decode kernel's work and no more). Grid `(num_blocks, kvh, num_splits)`: a program stacks its block's tokens x the
-query heads of one KV head as the M rows of `tl.dot` (so K/V tiles are read once per group and
-block), walks key tiles `split, split + S, ...` up to the block's last position with an online
-softmax in float32, and masks each row at its own position. A block of length 0 is padding and
-returns at once. With S > 1 the splits write normalized partials and log-sum-exps (base 2) to a
+Work comes in q-blocks, built on the host (`capture.kernels.q_blocks`): up to `q_block`
+consecutive flat tokens of one span (`Q_BLOCK` by default; a static per-bucket choice:
+decode-only buckets can use 1, so their programs do the old decode kernel's work and no more).
+Grid `(num_blocks, kvh, num_splits)`: a program stacks its block's tokens x the query heads of
+one KV head as the M rows of `tl.dot` (so K/V tiles are read once per group and block), walks
+key tiles `split, split + S, ...` up to the block's last position with an online softmax in
+float32, and masks each row at its own position. A block of length 0 is padding and returns at
+once. With S > 1 the splits write normalized partials and log-sum-exps (base 2) to a
 `VarlenWorkspace` and a second kernel merges them. S is a function of static shapes only.
 
 Tokens that no q-block covers (padding tokens) are left untouched in `out`, by both backends.
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -43,8 +43,8 @@ from graphrelay.capture.kernels.attention import (
     attend_gathered,
     pick_num_splits,
 )
+from graphrelay.capture.kernels.q_blocks import Q_BLOCK, check_q_block, max_q_blocks
 
-Q_BLOCK = 16  # default query tokens per q-block: with the GQA group they make the dot's M
 PAGE = 16  # default page size of `identity_block_table`; the kernel takes any size from the table
 # Key rows the reference gathers at once (per K and V): bounds its memory whatever T is.
 _REFERENCE_KEY_ROWS = 1 << 16
@@ -180,50 +180,7 @@ def _varlen_combine_kernel(
 
 
 # ----------------------------------------------------------------------------------------------
-# Host helpers: q-blocks, block tables, split count, workspace
-
-
-def _check_q_block(q_block: int) -> None:
-    if not isinstance(q_block, int) or isinstance(q_block, bool) or q_block < 1:
-        raise ValueError(f"q_block must be a positive int (tokens per q-block), got {q_block!r}")
-
-
-def max_q_blocks(tokens: int, spans: int, q_block: int = Q_BLOCK) -> int:
-    """Static q-block count that any batch of at most `tokens` tokens in at most `spans` spans
-    fits: sum(ceil(n_i / q)) <= sum(n_i // q + 1) <= tokens // q + spans, and <= tokens
-    (a decode-only bucket needs exactly one block per token)."""
-    _check_q_block(q_block)
-    return min(tokens, tokens // q_block + spans)
-
-
-def q_blocks(span_lengths: list[int], span_starts: list[int], num_blocks: int | None = None,
-             q_block: int = Q_BLOCK) -> tuple[list[int], list[int]]:
-    """Split spans (flat token ranges `[start, start + length)`) into q-blocks of at most
-    `q_block` tokens: returns `(starts, lens)` as host lists. With `num_blocks` (the bucket's
-    `max_q_blocks`), pads with `(0, 0)` blocks to exactly that many."""
-    _check_q_block(q_block)
-    if len(span_lengths) != len(span_starts):
-        raise ValueError(f"span_lengths and span_starts differ in length: "
-                         f"{len(span_lengths)} vs {len(span_starts)}")
-    lengths, first = np.asarray(span_lengths, dtype=np.int64), np.asarray(span_starts, dtype=np.int64)
-    bad = np.flatnonzero((lengths < 1) | (first < 0))
-    if bad.size:
-        raise ValueError(f"a span needs length >= 1 and start >= 0, got length {lengths[bad[0]]} at {first[bad[0]]}")
-    starts, lens = q_block_arrays(lengths, first, q_block)
-    if num_blocks is not None and len(starts) > num_blocks:
-        raise ValueError(f"the spans need {len(starts)} q-blocks, more than num_blocks={num_blocks}: "
-                         f"size num_blocks with max_q_blocks(tokens, spans, q_block)")
-    padding = 0 if num_blocks is None else num_blocks - len(starts)
-    return starts.tolist() + [0] * padding, lens.tolist() + [0] * padding
-
-
-def q_block_arrays(lengths: np.ndarray, starts: np.ndarray, q_block: int) -> tuple[np.ndarray, np.ndarray]:
-    """`q_blocks` without its checks or padding, on int64 arrays: the scheduler's path, where
-    a per-block Python loop cost ~200 µs an iteration at 256 spans."""
-    counts = -(-lengths // q_block)  # blocks per span
-    span = np.repeat(np.arange(len(lengths)), counts)
-    offset = (np.arange(span.size) - np.repeat(np.cumsum(counts) - counts, counts)) * q_block
-    return starts[span] + offset, np.minimum(q_block, lengths[span] - offset)
+# Host helpers: block tables, split count, workspace (q-blocks: `capture.kernels.q_blocks`)
 
 
 def identity_block_table(num_slots: int, max_seq_len: int, page: int = PAGE,
@@ -351,7 +308,7 @@ def varlen_attention_reference(
     num_tokens = q.shape[0]
     kv_heads, head_dim = k_cache.shape[2:]
     page = k_cache.shape[1] // block_table.shape[1]
-    _check_q_block(q_block)
+    check_q_block(q_block)
     covered = _covered_tokens(num_tokens, q_block_start, q_block_len, q_block)
     # Uncovered tokens may carry any value; read them as slot 0, position 0.
     slots = torch.where(covered, token_slot.long(), 0)
@@ -444,7 +401,7 @@ def varlen_attention(
         raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
     length = _check_varlen_args(q, k_cache, v_cache, block_table, token_slot, token_pos,
                                 q_block_start, q_block_len, out, max_len)
-    _check_q_block(q_block)
+    check_q_block(q_block)
     if num_splits is None:
         num_splits = pick_varlen_splits(q_block_start.shape[0], k_cache.shape[2], length, _sm_count(q.device))
         if workspace is not None:

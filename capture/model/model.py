@@ -25,7 +25,8 @@ import msgspec
 import torch
 
 from graphrelay.capture.kernels import gemv
-from graphrelay.capture.kernels.varlen_attention import PAGE, Q_BLOCK, VarlenWorkspace, identity_block_table, q_blocks, varlen_attention
+from graphrelay.capture.kernels.q_blocks import Q_BLOCK, q_blocks
+from graphrelay.capture.kernels.varlen_attention import PAGE, VarlenWorkspace, identity_block_table, varlen_attention
 from graphrelay.capture.model.kv_cache import KVCache
 from graphrelay.capture.model.linear_plan import LinearPlan
 from graphrelay.config import DTYPES
