@@ -17,6 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from graphrelay.capture.kernels import gemv
+from graphrelay.capture.kernels.pdl import pdl_supported
+from graphrelay.capture.model.linear_plan import candidate_tiles
 from graphrelay.capture.kernels import layer_kernels as lk
 from model_reference import rms_norm as model_rms_norm
 from test_layer_kernels import EPS, Shape, assert_matches, randn, rotary_case
@@ -57,11 +59,12 @@ def inputs(device: str, dtype: torch.dtype, rows: int, k: int, n: int, seed: int
 # Checks shared with the GPU tests
 
 
-def check_norm_linear(device, dtype, rows, k, n, *, with_residual, seed=0, pdl=None) -> None:
+def check_norm_linear(device, dtype, rows, k, n, *, with_residual, seed=0, pdl=None, tiles=None) -> None:
     t = inputs(device, dtype, rows, k, n, seed)
     residual = t["residual"] if with_residual else None
     before = {name: v.clone() for name, v in t.items()}
-    got = gemv.norm_linear(t["x"], t["norm_weight"], t["weight"], EPS, residual=residual, backend="triton", pdl=pdl)
+    got = gemv.norm_linear(t["x"], t["norm_weight"], t["weight"], EPS, residual=residual, backend="triton", pdl=pdl,
+                           tiles=tiles)
     ref = gemv.norm_linear(t["x"], t["norm_weight"], t["weight"], EPS, residual=residual, backend="torch")
     if with_residual:
         (got, got_sum), (ref, ref_sum) = got, ref
@@ -70,11 +73,11 @@ def check_norm_linear(device, dtype, rows, k, n, *, with_residual, seed=0, pdl=N
     assert all(torch.equal(v, before[name]) for name, v in t.items()), "an input changed"
 
 
-def check_norm_gate_up_silu(device, dtype, rows, k, n, *, with_residual, seed=0, pdl=None) -> None:
+def check_norm_gate_up_silu(device, dtype, rows, k, n, *, with_residual, seed=0, pdl=None, tiles=None) -> None:
     t = inputs(device, dtype, rows, k, n, seed)
     residual = t["residual"] if with_residual else None
     got = gemv.norm_gate_up_silu(t["x"], t["norm_weight"], t["gate_up"], EPS, residual=residual, backend="triton",
-                                 pdl=pdl)
+                                 pdl=pdl, tiles=tiles)
     ref = gemv.norm_gate_up_silu(t["x"], t["norm_weight"], t["gate_up"], EPS, residual=residual, backend="torch")
     if with_residual:
         (got, got_sum), (ref, ref_sum) = got, ref
@@ -83,18 +86,18 @@ def check_norm_gate_up_silu(device, dtype, rows, k, n, *, with_residual, seed=0,
     assert_close_to(got, ref, f"norm_gate_up_silu {dtype} rows={rows} k={k} n={n}", ulps=3)
 
 
-def check_linear_residual(device, dtype, rows, k, n, *, seed=0, pdl=None) -> None:
+def check_linear_residual(device, dtype, rows, k, n, *, seed=0, pdl=None, tiles=None) -> None:
     t = inputs(device, dtype, rows, k, n, seed)
     ref = gemv.linear_residual(t["x"], t["weight"], t["stream"], backend="torch")
-    got = gemv.linear_residual(t["x"], t["weight"], t["stream"], backend="triton", pdl=pdl)
+    got = gemv.linear_residual(t["x"], t["weight"], t["stream"], backend="triton", pdl=pdl, tiles=tiles)
     assert_close_to(got, ref, f"linear_residual {dtype} rows={rows} k={k} n={n}", ulps=2)
     stream = t["stream"].clone()
-    in_place = gemv.linear_residual(t["x"], t["weight"], stream, out=stream, backend="triton", pdl=pdl)
+    in_place = gemv.linear_residual(t["x"], t["weight"], stream, out=stream, backend="triton", pdl=pdl, tiles=tiles)
     assert in_place is stream and torch.equal(stream, got), "in place (out=residual) equals out of place"
 
 
 def check_norm_qkv_rotary(device, dtype, rows, k, heads: Shape, *, with_residual, seed=0, pdl=None,
-                          cache_rows=6, seq_len=32) -> None:
+                          cache_rows=6, seq_len=32, tiles=None) -> None:
     """q against the unfused path's, and the caches: every entry the unfused path leaves as it
     was stays bit for bit, the written ones agree as q does."""
     width = (heads.heads + 2 * heads.kv_heads) * heads.head_dim
@@ -106,7 +109,8 @@ def check_norm_qkv_rotary(device, dtype, rows, k, heads: Shape, *, with_residual
         rotary = gemv.Rotary(case.cos, case.sin, case.positions, case.slots, case.k_cache.clone(),
                              case.v_cache.clone(), heads.heads, heads.kv_heads)
         q = gemv.norm_qkv_rotary(t["x"], t["norm_weight"], t["weight"], EPS, rotary, residual=residual,
-                                 backend=backend, pdl=pdl if backend == "triton" else None)
+                                 backend=backend, pdl=pdl if backend == "triton" else None,
+                                 tiles=tiles if backend == "triton" else None)
         results[backend] = (q, rotary.k_cache, rotary.v_cache)
     (got, k_got, v_got), (ref, k_ref, v_ref) = results["triton"], results["torch"]
     if with_residual:
@@ -173,6 +177,33 @@ def test_several_k_steps_and_row_tiles(rows, k, dtype):
     check_norm_gate_up_silu("cpu", dtype, rows, k, 20, with_residual=False)
     check_linear_residual("cpu", dtype, rows, k, 20)
     check_norm_qkv_rotary("cpu", dtype, rows, k, HEADS[0], with_residual=True, cache_rows=9, seq_len=64)
+
+
+# Every tiling start-up timing may pick (capture.model.linear_plan.candidate_tiles) computes
+# the same as the unfused path: one-row-per-program and multi-row FMA tiles, tensor-core tiles
+# of 16-64 rows, with K in one step and in several.
+@pytest.mark.parametrize("rows", [1, 3, 8, 20, 80])
+@pytest.mark.parametrize("k", [40, 600])
+def test_every_candidate_tiling_equals_unfused(rows, k):
+    for tiles in candidate_tiles(rows, k):
+        check_norm_linear("cpu", torch.bfloat16, rows, k, 20, with_residual=True, tiles=tiles)
+        check_norm_gate_up_silu("cpu", torch.bfloat16, rows, k, 20, with_residual=True, tiles=tiles)
+        check_linear_residual("cpu", torch.bfloat16, rows, k, 20, tiles=tiles)
+        check_norm_qkv_rotary("cpu", torch.bfloat16, rows, k, HEADS[0], with_residual=False, tiles=tiles)
+
+
+@pytest.mark.parametrize("tiles,match", [
+    ((1, 4, 1024, 4, True), "must be a gemv.Tiles"),
+    (gemv.Tiles(3, 4, 1024, 4, True), "powers of two"),
+    (gemv.Tiles(1, 4, 1024, 6, True), "powers of two"),
+    (gemv.Tiles(8, 16, 64, 4, False), "needs block_m, block_n, block_k >= 16"),
+])
+def test_bad_tiles_are_rejected_before_a_launch(tiles, match):
+    t = inputs("cpu", torch.float32, 2, 8, 6, seed=0)
+    stream = t["stream"].clone()
+    with pytest.raises(ValueError, match=match):
+        gemv.linear_residual(t["x"], t["weight"], stream, out=stream, backend="triton", tiles=tiles)
+    assert torch.equal(stream, t["stream"])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -264,7 +295,7 @@ def test_bad_inputs_are_rejected_by_both_backends(case, backend):
 
 def test_pdl_on_a_cpu_is_refused_and_auto_is_off():
     t = _bad()
-    assert not gemv.pdl_supported(torch.device("cpu"))
+    assert not pdl_supported(torch.device("cpu"))
     with pytest.raises(ValueError, match="pdl=True needs a CUDA device"):
         gemv.linear_residual(t["x"], t["weight"], t["stream"], backend="triton", pdl=True)
     stream = t["stream"].clone()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 from graphrelay.capture.kernels import attention, gemv
 from graphrelay.capture.kernels import layer_kernels as kernels
@@ -30,6 +31,40 @@ def test_from_timings_keeps_the_faster_backend():
     timings = [ProjectionTiming(4, p, torch_us=2.0, triton_us=us) for p, us in zip(PROJECTIONS, (1.0, 3.0, 2.0, 1.9))]
     plan = LinearPlan.from_timings(timings)
     assert plan.backends(4) == {"qkv": "triton", "o": "torch", "gate_up": "torch", "down": "triton"}
+
+
+def test_from_timings_keeps_the_fastest_tiling_of_a_triton_choice():
+    fma, dot = gemv.Tiles(2, 4, 1024, 4, True), gemv.Tiles(32, 16, 128, 4, False)
+    timings = [ProjectionTiming(2, "qkv", 3.0, 2.0, fma), ProjectionTiming(2, "o", 1.0, 2.0, dot),
+               ProjectionTiming(2, "gate_up", 3.0, 2.0, None), ProjectionTiming(2, "down", 3.0, 2.0, dot)]
+    plan = LinearPlan.from_timings(timings)
+    assert plan.backends(2) == {"qkv": "triton", "o": "torch", "gate_up": "triton", "down": "triton"}
+    assert plan.tiles_for(1) == plan.tiles_for(2) == {"qkv": fma, "down": dot}  # o runs torch; gate_up the default
+    assert plan.tiles_for(3) == {}  # beyond the plan: the default everywhere
+    ops = plan.ops(2, 1e-5)
+    assert ops.tiles == {"qkv": fma, "down": dot}
+
+
+@pytest.mark.parametrize("tiles,match", [
+    ({8: {"o": gemv.Tiles(1, 4, 1024, 4, True)}}, "runs on triton"),  # o is torch at 8 rows
+    ({16: {"qkv": gemv.Tiles(1, 4, 1024, 4, True)}}, "runs on triton"),  # no 16-row choice
+    ({8: {"qkv": gemv.Tiles(1, 4, 1000, 4, True)}}, "powers of two"),
+])
+def test_bad_tiles_in_a_plan_are_rejected(tiles, match):
+    with pytest.raises(ValueError, match=match):
+        LinearPlan({8: ALL_TORCH | {"qkv": "triton"}}, tiles=tiles)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 17, 64, 65, 256])
+@pytest.mark.parametrize("k", [64, 576, 1536, 4096])
+def test_candidate_tiles_are_valid_and_cover_the_rows(rows, k):
+    candidates = linear_plan.candidate_tiles(rows, k)
+    assert candidates and len(set(candidates)) == len(candidates)
+    for tiles in candidates:
+        assert gemv.check_tiles(tiles) is tiles
+        assert tiles.block_k <= max(gemv.FMA_MAX_K, 256)
+        if tiles.fma:  # CUDA-core tiles only for decode-sized batches, never more rows than padded to
+            assert rows <= 16 and tiles.block_m <= max(4, triton.next_power_of_2(rows))
 
 
 @pytest.mark.parametrize("choices,default,match", [

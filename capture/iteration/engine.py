@@ -39,8 +39,10 @@ from graphrelay.runtime import Stream
 # larger budget prefills faster (64 x 128 prompt tokens: 8.2 ms in four 2048-token iterations)
 # at the price of a longer iteration beside running decodes; the peers' defaults are 8192.
 DEFAULT_MAX_TOKENS = 4096
-# Above this many rows the Triton projections re-read their weights per 64-row tile: cuBLAS wins.
-SKINNY_ROWS = 64
+# Buckets up to this many rows time the Triton projections against cuBLAS at start-up; above,
+# a 64-row tile re-reads the weights often enough that cuBLAS wins every projection (at 256 rows
+# Triton still wins the O projection on the H200).
+SKINNY_ROWS = 256
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

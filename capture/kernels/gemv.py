@@ -35,20 +35,15 @@ so results agree to float32 rounding (a bf16 output within an ulp or two).
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-try:  # binds tl.extra.cuda (gdc_wait, gdc_launch_dependents) for the kernels; older Tritons lack it
-    import triton.language.extra.cuda  # noqa: F401
-except ImportError:
-    pass
-
 from graphrelay.capture.kernels import layer_kernels as lk
 from graphrelay.capture.kernels.layer_kernels import _check_rotary, _expect, _expect_2d, _pick_backend, _round_to
+from graphrelay.capture.kernels.pdl import resolve_pdl
 
 BLOCK_N = 16  # output features per program: the smallest tl.dot tile, so the most programs
 # K per loop step, for 2-byte types (halved for float32). Compiled for sm_90 (ptxas -v, 8
@@ -80,19 +75,6 @@ class Rotary(NamedTuple):
     v_cache: torch.Tensor
     num_heads: int
     num_kv_heads: int
-
-
-@functools.cache
-def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch needs a Hopper-class GPU and a Triton that can launch it."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
-        return False
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-    except ImportError:
-        return False
-    cuda = getattr(tl.extra, "cuda", None)
-    return "launch_pdl" in CUDAOptions.__dataclass_fields__ and hasattr(cuda, "gdc_wait")
 
 
 @triton.jit
@@ -278,21 +260,51 @@ def _skinny_linear_kernel(
         tl.store(out_ptr + row64 * N + col_a[None, :], _round_to(y, dtype), mask=out_ok)
 
 
-def _launch(x, weight, out, *, n, epilogue, pdl, norm_weight=None, eps=0.0, residual=None, residual_out=None,
-            add=None, rotary=None):
-    m, k = x.shape
-    fma = m <= FMA_MAX_ROWS
-    if fma:
+class Tiles(NamedTuple):
+    """One launch's tiling: rows, output features and K elements per program and loop step,
+    warps, and whether the product runs on the CUDA cores (FMA) rather than as a tensor-core
+    dot (which needs block_m, block_n, block_k >= 16). Each distinct Tiles compiles its own
+    kernel variant."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    fma: bool
+
+
+def default_tiles(m: int, k: int, *, heavy: bool, element_size: int) -> Tiles:
+    """The tiling used when a caller names none. heavy: a norm prologue or a second weight tile
+    (gate/up, rotary), which limits the K step (see NORM_BLOCK_K)."""
+    if m <= FMA_MAX_ROWS:
         # A program per row and a few output features, the whole K in one step where it fits:
         # every weight byte is requested at once (before the PDL wait), and the grid has a
         # program or more per SM even for the narrowest projection.
-        block_m, block_k = 1, min(triton.next_power_of_2(k), FMA_MAX_K)
-        block_n, warps = max(2, FMA_TILE // block_k), 4
-    else:
-        block_m = max(16, min(64, triton.next_power_of_2(m)))
-        widest = NORM_BLOCK_K if norm_weight is not None or epilogue >= EPILOGUE_SILU_MUL else MAX_TILE // block_m
-        block_k = max(16, min(triton.next_power_of_2(k), widest * 2 // x.element_size()))
-        block_n, warps = BLOCK_N, 8
+        block_k = min(triton.next_power_of_2(k), FMA_MAX_K)
+        return Tiles(1, max(2, FMA_TILE // block_k), block_k, 4, True)
+    block_m = max(16, min(64, triton.next_power_of_2(m)))
+    widest = NORM_BLOCK_K if heavy else MAX_TILE // block_m
+    return Tiles(block_m, BLOCK_N, max(16, min(triton.next_power_of_2(k), widest * 2 // element_size)), 8, False)
+
+
+def check_tiles(tiles: object) -> Tiles:
+    if not isinstance(tiles, Tiles):
+        raise ValueError(f"tiles must be a gemv.Tiles, got {type(tiles).__name__}")
+    sizes = (tiles.block_m, tiles.block_n, tiles.block_k)
+    if any(not isinstance(v, int) or v < 1 or v & (v - 1) for v in sizes + (tiles.warps,)):
+        raise ValueError(f"tiles sizes and warps must be powers of two, got {tiles}")
+    if not tiles.fma and min(sizes) < 16:
+        raise ValueError(f"a tensor-core tile needs block_m, block_n, block_k >= 16, got {tiles}; or set fma=True")
+    return tiles
+
+
+def _launch(x, weight, out, *, n, epilogue, pdl, norm_weight=None, eps=0.0, residual=None, residual_out=None,
+            add=None, rotary=None, tiles=None):
+    m, k = x.shape
+    if tiles is None:
+        tiles = default_tiles(m, k, heavy=norm_weight is not None or epilogue >= EPILOGUE_SILU_MUL,
+                              element_size=x.element_size())
+    block_m, block_n, block_k, warps, fma = check_tiles(tiles)
     tile_cols = n // 2 if epilogue == EPILOGUE_ROTARY else n
     rot = rotary or Rotary(x, x, x, x, x, x, 0, 0)
     d = rot.k_cache.shape[3] if rotary else 2
@@ -313,16 +325,6 @@ def _launch(x, weight, out, *, n, epilogue, pdl, norm_weight=None, eps=0.0, resi
         enable_fp_fusion=epilogue != EPILOGUE_ROTARY, **extra,
     )
     return out
-
-
-def _resolve_pdl(pdl: bool | None, x: torch.Tensor) -> bool:
-    """None: on where supported. True where unsupported is an error, not a silent fallback."""
-    if pdl is None:
-        return pdl_supported(x.device)
-    if pdl and not pdl_supported(x.device):
-        raise ValueError(f"pdl=True needs a CUDA device of compute capability 9.0+ and a Triton with "
-                         f"launch_pdl; {x.device} has none: pass pdl=None (auto) or False")
-    return bool(pdl)
 
 
 def _check_norm_inputs(what, x, norm_weight, weight, residual, residual_out, *, halves: int = 1) -> int:
@@ -352,11 +354,12 @@ def _unfused_norm(x, norm_weight, eps, residual, residual_out):
     return lk.rms_norm(x, norm_weight, eps, residual=residual, residual_out=residual_out)
 
 
-def _fused_norm_launch(x, norm_weight, weight, eps, residual, residual_out, out, *, n, epilogue, pdl, rotary=None):
+def _fused_norm_launch(x, norm_weight, weight, eps, residual, residual_out, out, *, n, epilogue, pdl, tiles,
+                       rotary=None):
     if residual is not None and residual_out is None:
         residual_out = torch.empty_like(x)
-    _launch(x, weight, out, n=n, epilogue=epilogue, pdl=_resolve_pdl(pdl, x), norm_weight=norm_weight, eps=eps,
-            residual=residual, residual_out=residual_out, rotary=rotary)
+    _launch(x, weight, out, n=n, epilogue=epilogue, pdl=resolve_pdl(pdl, x), norm_weight=norm_weight, eps=eps,
+            residual=residual, residual_out=residual_out, rotary=rotary, tiles=tiles)
     return out if residual is None else (out, residual_out)
 
 
@@ -375,6 +378,7 @@ def norm_linear(
     residual_out: torch.Tensor | None = None,
     backend: str | None = None,
     pdl: bool | None = None,
+    tiles: Tiles | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`rms_norm(x) @ weight.T` for x `[m, k]`, weight `[n, k]`, norm_weight `[k]`.
 
@@ -382,6 +386,7 @@ def norm_linear(
     `(rms_norm(h) @ weight.T, h)`, exactly as `layer_kernels.rms_norm(x, ..., residual=...)`
     followed by the matmul. `out` `[m, n]` / `residual_out` `[m, k]` receive the results;
     residual_out may not alias x or residual. pdl: see the module docstring (None: auto).
+    tiles: the launch's tiling (None: `default_tiles`); it changes the sum order only.
     """
     n = _check_norm_inputs("norm_linear", x, norm_weight, weight, residual, residual_out)
     if out is not None:
@@ -392,7 +397,7 @@ def norm_linear(
         return y if residual is None else (y, total)
     out = x.new_empty(x.shape[0], n) if out is None else out
     return _fused_norm_launch(x, norm_weight, weight, eps, residual, residual_out, out, n=n,
-                              epilogue=EPILOGUE_NONE, pdl=pdl)
+                              epilogue=EPILOGUE_NONE, pdl=pdl, tiles=tiles)
 
 
 def norm_gate_up_silu(
@@ -406,9 +411,10 @@ def norm_gate_up_silu(
     residual_out: torch.Tensor | None = None,
     backend: str | None = None,
     pdl: bool | None = None,
+    tiles: Tiles | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """SwiGLU's first half: `silu_mul(rms_norm(x) @ gate_up.T)` -> `[m, i]`, gate_up `[2 i, k]`
-    (gate rows first, as the model stores it). `residual`, `out`, `residual_out`, `pdl` as in
+    (gate rows first, as the model stores it). `residual`, `out`, `residual_out`, `pdl`, `tiles` as in
     `norm_linear`."""
     inter = _check_norm_inputs("norm_gate_up_silu", x, norm_weight, gate_up, residual, residual_out, halves=2) // 2
     if out is not None:
@@ -419,7 +425,7 @@ def norm_gate_up_silu(
         return y if residual is None else (y, total)
     out = x.new_empty(x.shape[0], inter) if out is None else out
     return _fused_norm_launch(x, norm_weight, gate_up, eps, residual, residual_out, out, n=inter,
-                              epilogue=EPILOGUE_SILU_MUL, pdl=pdl)
+                              epilogue=EPILOGUE_SILU_MUL, pdl=pdl, tiles=tiles)
 
 
 def norm_qkv_rotary(
@@ -434,12 +440,13 @@ def norm_qkv_rotary(
     residual_out: torch.Tensor | None = None,
     backend: str | None = None,
     pdl: bool | None = None,
+    tiles: Tiles | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention's input node: `rotary_and_cache_write(rms_norm(x) @ qkv.T, ...)`: returns the
     rotated q `[m, num_heads, d]` (in `q_out` when given) after appending rotated k and raw v
     to the caches at each row's `[slot, position]`. qkv `[(h + 2 kvh) d, k]` (q, k, v heads in
     order); `rotary` and the index rules as `layer_kernels.rotary_and_cache_write`; `residual`,
-    `residual_out`, `pdl` as in `norm_linear`."""
+    `residual_out`, `pdl`, `tiles` as in `norm_linear`."""
     if not isinstance(rotary, Rotary):
         raise ValueError(f"norm_qkv_rotary rotary must be a gemv.Rotary, got {type(rotary).__name__}")
     width = _check_norm_inputs("norm_qkv_rotary", x, norm_weight, qkv, residual, residual_out)
@@ -453,7 +460,7 @@ def norm_qkv_rotary(
         return q if residual is None else (q, total)
     q_out = x.new_empty(x.shape[0], rotary.num_heads, rotary.k_cache.shape[3]) if q_out is None else q_out
     return _fused_norm_launch(x, norm_weight, qkv, eps, residual, residual_out, q_out, n=width,
-                              epilogue=EPILOGUE_ROTARY, pdl=pdl, rotary=rotary)
+                              epilogue=EPILOGUE_ROTARY, pdl=pdl, rotary=rotary, tiles=tiles)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -468,10 +475,12 @@ def linear_residual(
     out: torch.Tensor | None = None,
     backend: str | None = None,
     pdl: bool | None = None,
+    tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """`residual + x @ weight.T` with the projection rounded to the model dtype first (as the
     model's `update = x @ w.T; stream = update + stream`): x `[m, k]`, weight `[n, k]`, residual
-    `[m, n]`. `out` may be `residual` itself (an in-place update of the stream)."""
+    `[m, n]`. `out` may be `residual` itself (an in-place update of the stream). `pdl`, `tiles`
+    as in `norm_linear`."""
     m, k = _expect_2d("linear_residual x", x)
     dev, dtypes = x.device, (x.dtype,)
     _expect("linear_residual x", x, (m, k), dtypes, dev)
@@ -483,4 +492,5 @@ def linear_residual(
     if _pick_backend(backend, x) == "torch":
         return torch.add(x @ weight.T, residual, out=out)
     out = torch.empty_like(residual) if out is None else out
-    return _launch(x, weight, out, n=n, epilogue=EPILOGUE_RESIDUAL, pdl=_resolve_pdl(pdl, x), add=residual)
+    return _launch(x, weight, out, n=n, epilogue=EPILOGUE_RESIDUAL, pdl=resolve_pdl(pdl, x), add=residual,
+                   tiles=tiles)

@@ -43,6 +43,7 @@ from graphrelay.capture.kernels.attention import (
     attend_gathered,
     pick_num_splits,
 )
+from graphrelay.capture.kernels.pdl import pdl_supported
 from graphrelay.capture.kernels.q_blocks import Q_BLOCK, check_q_block, max_q_blocks
 
 PAGE = 16  # default page size of `identity_block_table`; the kernel takes any size from the table
@@ -58,8 +59,14 @@ def _varlen_split_kernel(
     num_slots, max_seq_len, qk_scale,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, Q_TOKENS: tl.constexpr, ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr, SINGLE: tl.constexpr,
-    PRECISION: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    PRECISION: tl.constexpr, NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        # Every input (q, the cache, the q-blocks) comes from earlier kernels: wait for them
+        # first, then let the next kernel (the combine, or the O projection streaming its
+        # weights) start filling the GPU behind this one.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -151,7 +158,11 @@ def _varlen_split_kernel(
 def _varlen_combine_kernel(
     block_start_ptr, block_len_ptr, part_ptr, lse_ptr, out_ptr, stride_ot, num_splits,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, Q_TOKENS: tl.constexpr, Q_ROWS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     block = tl.program_id(0)
     head = tl.program_id(1)
     count = tl.minimum(tl.load(block_len_ptr + block).to(tl.int32), Q_TOKENS)
@@ -350,6 +361,10 @@ def _launch_triton(q, k_cache, v_cache, block_table, token_slot, token_pos, q_bl
         partial, lse = workspace.views(num_tokens, heads, head_dim, num_splits)
     else:
         partial = lse = out  # unused by the single-split kernel
+    # Programmatic dependent launch where the GPU has it (capture.kernels.pdl): the launch of
+    # each kernel overlaps the tail of the one before.
+    pdl = pdl_supported(q.device)
+    launch = {"launch_pdl": True} if pdl else {}
     _varlen_split_kernel[(num_blocks, kv_heads, num_splits)](
         q, k_cache, v_cache, block_table, token_slot, token_pos, q_block_start, q_block_len,
         out, partial, lse,
@@ -359,14 +374,14 @@ def _launch_triton(q, k_cache, v_cache, block_table, token_slot, token_pos, q_bl
         HEAD_DIM=head_dim,
         BLOCK=BLOCK_N, PAGE=max_seq_len // block_table.shape[1], SINGLE=num_splits == 1,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        NATIVE_DOT=q.is_cuda and q.dtype != torch.float32,
-        num_warps=4, num_stages=2,
+        NATIVE_DOT=q.is_cuda and q.dtype != torch.float32, USE_PDL=pdl,
+        num_warps=4, num_stages=2, **launch,
     )
     if num_splits > 1:
         _varlen_combine_kernel[(num_blocks, heads)](
             q_block_start, q_block_len, partial, lse, out, out.stride(0), num_splits,
             NUM_HEADS=heads, HEAD_DIM=head_dim, Q_TOKENS=q_block, Q_ROWS=triton.next_power_of_2(q_block),
-            num_warps=2,
+            USE_PDL=pdl, num_warps=2, **launch,
         )
     return out
 

@@ -8,8 +8,9 @@ Per projection there are two ways to run it (`capture.kernels.gemv`):
   where the GPU has it.
 Which wins depends on the row count (a GEMV at 1 row, a real GEMM at 256) and on the GPU,
 so `LinearPlan.measured` times both inside small CUDA graphs at start-up, before the step is
-captured, and keeps the faster per (row count, projection). On a CPU, and under tensor
-parallelism (the residual add must follow the all-reduce), it is torch throughout.
+captured, and keeps the faster per (row count, projection). "triton" is timed in a few tilings
+(`candidate_tiles`) and the fastest is kept with it. On a CPU, and under tensor parallelism
+(the residual add must follow the all-reduce), it is torch throughout.
 
 The layer stack threads the residual `stream` and a pending `update` (None once added):
 
@@ -49,12 +50,14 @@ REPLAYS = 5  # timed replays; the median graph counts
 
 
 class ProjectionTiming(msgspec.Struct, frozen=True):
-    """GPU microseconds per call of one projection at one row count, each backend."""
+    """GPU microseconds per call of one projection at one row count, each backend; triton_us
+    is its fastest tiling's, `tiles` (None: the kernel's default tiling)."""
 
     rows: int
     projection: str
     torch_us: float
     triton_us: float
+    tiles: gemv.Tiles | None = None
 
     @property
     def faster(self) -> str:
@@ -65,8 +68,9 @@ class LayerOps:
     """One row count's projection entry points (see the module docstring for the chain)."""
 
     def __init__(self, backends: Mapping[str, str], eps: float, reduce: Callable[[torch.Tensor], torch.Tensor],
-                 pdl: bool | None):
+                 pdl: bool | None, tiles: Mapping[str, gemv.Tiles] | None = None):
         self.backends, self.eps, self.reduce, self.pdl = dict(backends), eps, reduce, pdl
+        self.tiles = dict(tiles or {})  # projection -> Triton tiling; missing: the default
 
     def qkv(self, update, stream, layer: "LayerWeights", rotary: gemv.Rotary):
         """-> (rotated q `[n, h, d]`, stream with `update` added); appends k and v to the
@@ -93,7 +97,7 @@ class LayerOps:
         return kernels.rms_norm(update, weight, self.eps, residual=stream)[0]
 
     def _norm_projection(self, fused, projection, update, stream, norm_weight, weight, *extra):
-        options = dict(backend=self.backends[projection], pdl=self.pdl)
+        options = dict(backend=self.backends[projection], pdl=self.pdl, tiles=self.tiles.get(projection))
         if update is None:
             return fused(stream, norm_weight, weight, self.eps, *extra, **options), stream
         return fused(update, norm_weight, weight, self.eps, *extra, residual=stream, **options)
@@ -102,7 +106,11 @@ class LayerOps:
         if self.backends[projection] == "torch":
             # Left pending: the next norm adds it in its own node (layer_kernels.rms_norm).
             return self.reduce(x @ weight.T), stream
-        return None, gemv.linear_residual(x, weight, stream, out=stream, backend="triton", pdl=self.pdl)
+        return None, gemv.linear_residual(x, weight, stream, out=stream, backend="triton", pdl=self.pdl,
+                                          tiles=self.tiles.get(projection))
+
+
+_MEASURED: dict[tuple, "LinearPlan"] = {}  # LinearPlan.measured's, per shape and row counts
 
 
 class LinearPlan:
@@ -110,11 +118,12 @@ class LinearPlan:
 
     choices: row count -> projection -> backend. A call with `rows` rows uses the smallest
     measured row count >= rows (buckets pad up to it); beyond the largest, `default`.
+    tiles: row count -> projection -> the tiling of a "triton" choice (missing: the default).
     pdl: passed to the Triton kernels (None: on where the GPU supports it).
     """
 
     def __init__(self, choices: Mapping[int, Mapping[str, str]] | None = None, *, default: str = "torch",
-                 pdl: bool | None = None):
+                 pdl: bool | None = None, tiles: Mapping[int, Mapping[str, gemv.Tiles]] | None = None):
         choices = dict(choices or {})
         for rows, backends in choices.items():
             if not isinstance(rows, int) or rows < 1:
@@ -125,6 +134,13 @@ class LinearPlan:
         if default not in BACKENDS:
             raise ValueError(f"LinearPlan default must be one of {BACKENDS}, got {default!r}")
         self.choices = {rows: dict(choices[rows]) for rows in sorted(choices)}
+        self.tiles = {rows: dict(by_projection) for rows, by_projection in (tiles or {}).items()}
+        for rows, by_projection in self.tiles.items():
+            if rows not in self.choices or any(self.choices[rows].get(p) != "triton" for p in by_projection):
+                raise ValueError(f"LinearPlan tiles for {rows} rows must name projections that row count runs on "
+                                 f"triton, got {sorted(by_projection)} with choices {self.choices.get(rows)}")
+            for tiles in by_projection.values():
+                gemv.check_tiles(tiles)
         self.default, self.pdl = default, pdl
         self._sizes = list(self.choices)
 
@@ -136,9 +152,12 @@ class LinearPlan:
     @classmethod
     def from_timings(cls, timings: Sequence[ProjectionTiming], pdl: bool | None = None) -> "LinearPlan":
         choices: dict[int, dict[str, str]] = {}
+        tiles: dict[int, dict[str, gemv.Tiles]] = {}
         for t in timings:
             choices.setdefault(t.rows, {})[t.projection] = t.faster
-        return cls(choices, pdl=pdl)
+            if t.faster == "triton" and t.tiles is not None:
+                tiles.setdefault(t.rows, {})[t.projection] = t.tiles
+        return cls(choices, pdl=pdl, tiles=tiles)
 
     @classmethod
     def measured(cls, model: "LlamaModel", sizes: Sequence[int], *,
@@ -148,38 +167,78 @@ class LinearPlan:
         Run it before capturing: it compiles the kernels the chosen plan launches."""
         if model.device.type != "cuda" or model.tp is not None or not sizes:
             return cls.fixed("torch")  # no bucket small enough for a skinny GEMM to win: cuBLAS
-        return cls.from_timings(time_projections(model, sizes, stream=stream))
+        # Timings depend on shapes alone: a process that builds several engines of one shape
+        # (tests, twins that must agree bit for bit) measures once.
+        c = model.shard
+        key = (model.device, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+               c.dtype, len(model.layers), tuple(sorted(set(sizes))))
+        if key not in _MEASURED:
+            _MEASURED[key] = cls.from_timings(time_projections(model, sizes, stream=stream))
+        return _MEASURED[key]
 
     def backends(self, rows: int) -> dict[str, str]:
+        size = self._planned_size(rows)
+        return dict.fromkeys(PROJECTIONS, self.default) if size is None else dict(self.choices[size])
+
+    def tiles_for(self, rows: int) -> dict[str, gemv.Tiles]:
+        """The tilings of the Triton projections at `rows` (missing: the default)."""
+        size = self._planned_size(rows)
+        return {} if size is None else dict(self.tiles.get(size, {}))
+
+    def _planned_size(self, rows: int) -> int | None:
         at = bisect.bisect_left(self._sizes, rows)
-        if at == len(self._sizes):
-            return dict.fromkeys(PROJECTIONS, self.default)
-        return dict(self.choices[self._sizes[at]])
+        return None if at == len(self._sizes) else self._sizes[at]
 
     def ops(self, rows: int, eps: float, reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> LayerOps:
         """The entry points for a forward of `rows` rows. reduce: applied to a pending
         (torch-path) O / down output, e.g. the tensor-parallel all-reduce."""
-        return LayerOps(self.backends(rows), eps, reduce, self.pdl)
+        return LayerOps(self.backends(rows), eps, reduce, self.pdl, self.tiles_for(rows))
 
 
 # ----------------------------------------------------------------------------------------------
 # Measurement
 
 
+def candidate_tiles(rows: int, k: int) -> list[gemv.Tiles]:
+    """The Triton tilings start-up timing tries for a projection of `rows` rows and K = k.
+
+    A few per regime, so start-up compiles few variants: the winners of a sweep of ~30
+    tilings per row count on the H200 (SmolLM2-135M's four projections, 30 layers' weights in
+    one graph, 1-256 rows). Up to 4 rows: one program per row pair or quad on the CUDA cores,
+    the whole K in one step. 5-16: the same at 4 rows, or the smallest tensor-core tiles.
+    Beyond: tensor-core tiles, taller with the row count."""
+    whole_k = min(triton.next_power_of_2(k), gemv.FMA_MAX_K)
+    if rows <= 4:
+        m = triton.next_power_of_2(rows)
+        return [gemv.Tiles(m, 2, whole_k, 8, True), gemv.Tiles(m, 4, whole_k, 4, True)]
+    if rows <= 16:
+        return [gemv.Tiles(4, 2, whole_k, 8, True), gemv.Tiles(4, 4, whole_k, 4, True),
+                gemv.Tiles(16, 16, 128, 4, False), gemv.Tiles(16, 16, 256, 8, False)]
+    if rows <= 64:
+        return [gemv.Tiles(16, 16, 256, 8, False), gemv.Tiles(32, 16, 128, 4, False),
+                gemv.Tiles(32, 16, 256, 8, False)]
+    return [gemv.Tiles(64, 16, 128, 4, False), gemv.Tiles(64, 32, 128, 4, False), gemv.Tiles(64, 32, 256, 8, False)]
+
+
 def time_projections(model: "LlamaModel", sizes: Sequence[int], *, stream: torch.cuda.Stream | None = None,
                      pdl: bool | None = None) -> list[ProjectionTiming]:
-    """GPU µs per call of each projection on each backend at each row count, on layer 0's
-    weights (every layer has the same shapes). Each backend runs the form a chain of its own
-    calls takes: torch with a pending update to add (its add + norm node), Triton without.
-    The QKV projection includes the rotary and K/V append, into padding slot 0's cache rows."""
+    """GPU µs per call of each projection on each backend (Triton: each `candidate_tiles`
+    tiling, the fastest kept) at each row count. A timed chain walks the model's layers, so
+    weights come from memory as in the step rather than hot in L2. Each backend runs the form
+    a chain of its own calls takes: torch with a pending update to add (its add + norm node),
+    Triton without. The QKV projection includes the rotary and K/V append, into padding slot
+    0's cache rows."""
     if model.device.type != "cuda":
         raise ValueError(f"time_projections needs a CUDA model, got one on {model.device}")
     bad = [s for s in sizes if not isinstance(s, int) or s < 1]
     if not sizes or bad:
         raise ValueError(f"time_projections sizes must be positive ints, got {list(sizes)}")
-    c, layer = model.shard, model.layers[0]
+    c, layers = model.shard, model.layers
     stream = stream or torch.cuda.Stream(model.device)  # capturing needs a stream other than the legacy default
     timings = []
+    # Zeroed before each timed replay, so the weights come from memory, not L2, as in the step.
+    flush = torch.empty(torch.cuda.get_device_properties(model.device).L2_cache_size, dtype=torch.uint8,
+                        device=model.device)
     with torch.cuda.stream(stream), torch.no_grad():
         for rows in sorted(set(sizes)):
             gen = torch.Generator(device=model.device).manual_seed(rows)
@@ -193,36 +252,43 @@ def time_projections(model: "LlamaModel", sizes: Sequence[int], *, stream: torch
             rotary = gemv.Rotary(model.rope_cos, model.rope_sin, positions, torch.zeros_like(positions),
                                  model.kv_cache.keys[0], model.kv_cache.values[0], c.num_heads, c.num_kv_heads)
             for projection in PROJECTIONS:
-                times = {}
-                for backend in BACKENDS:
-                    ops = LinearPlan.fixed(backend, pdl=pdl).ops(rows, c.rms_eps)
+                k = {"o": c.num_heads * c.head_dim, "down": c.intermediate_size}.get(projection, c.hidden_size)
+                variants = [("torch", None)] + [("triton", t) for t in candidate_tiles(rows, k)]
+                times = []
+                for backend, tiles in variants:
+                    ops = LayerOps(dict.fromkeys(PROJECTIONS, backend), c.rms_eps, lambda t: t, pdl,
+                                   dict.fromkeys(PROJECTIONS, tiles) if tiles else None)
                     pending = update if backend == "torch" else None
                     call = {
-                        "qkv": lambda: ops.qkv(pending, stream_x, layer, rotary),
-                        "o": lambda: ops.o(attn, stream_x, layer),
-                        "gate_up": lambda: ops.gate_up(pending, stream_x, layer),
-                        "down": lambda: ops.down(act, stream_x, layer),
+                        "qkv": lambda layer: ops.qkv(pending, stream_x, layer, rotary),
+                        "o": lambda layer: ops.o(attn, stream_x, layer),
+                        "gate_up": lambda layer: ops.gate_up(pending, stream_x, layer),
+                        "down": lambda layer: ops.down(act, stream_x, layer),
                     }[projection]
                     try:
-                        times[backend] = _graph_us(call, stream)
+                        times.append(_graph_us(call, layers, stream, flush))
                     except triton.runtime.errors.OutOfResources:  # a tile too big for this GPU: not a choice
-                        times[backend] = math.inf
-                timings.append(ProjectionTiming(rows, projection, times["torch"], times["triton"]))
+                        times.append(math.inf)
+                best = min(range(1, len(variants)), key=times.__getitem__)
+                timings.append(ProjectionTiming(rows, projection, times[0], times[best], variants[best][1]))
     return timings
 
 
-def _graph_us(call: Callable[[], object], stream: torch.cuda.Stream) -> float:
-    """Median GPU µs per call over CHAIN calls captured in one graph, replayed REPLAYS times."""
-    call()  # compiles Triton kernels and settles cuBLAS' workspace outside the capture
+def _graph_us(call: Callable[["LayerWeights"], object], layers: Sequence["LayerWeights"],
+              stream: torch.cuda.Stream, flush: torch.Tensor) -> float:
+    """Median GPU µs per call over CHAIN calls (on successive layers' weights) captured in one
+    graph, replayed REPLAYS times, each after `flush` is zeroed (it evicts L2)."""
+    call(layers[0])  # compiles Triton kernels and settles cuBLAS' workspace outside the capture
     stream.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        for _ in range(CHAIN):
-            call()
+        for i in range(CHAIN):
+            call(layers[i % len(layers)])
     graph.replay()  # the first launch uploads the graph
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     samples = []
     for _ in range(REPLAYS):
+        flush.zero_()
         start.record(stream)
         graph.replay()
         end.record(stream)

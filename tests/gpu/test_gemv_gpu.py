@@ -16,6 +16,7 @@ import torch
 
 from graphrelay.capture.iteration.engine import Engine, EngineConfig
 from graphrelay.capture.kernels import gemv
+from graphrelay.capture.kernels.pdl import pdl_supported
 from graphrelay.capture.model.linear_plan import BACKENDS, PROJECTIONS, LinearPlan, time_projections
 from graphrelay.capture.model.model import LlamaModel, ModelConfig
 from graphrelay.tools.bench import bench_main
@@ -80,11 +81,11 @@ def test_pdl_is_on_for_hopper_and_changes_no_bit():
         ]
 
     if torch.cuda.get_device_capability(device) < (9, 0):
-        assert not gemv.pdl_supported(device)
+        assert not pdl_supported(device)
         with pytest.raises(ValueError, match="pdl=True needs"):
             run(True)
         return
-    assert gemv.pdl_supported(device), "a Hopper-class GPU, but this Triton cannot launch with PDL"
+    assert pdl_supported(device), "a Hopper-class GPU, but this Triton cannot launch with PDL"
     for a, b in zip(run(True), run(False)):
         assert torch.equal(a, b)
 
