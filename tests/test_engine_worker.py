@@ -157,21 +157,3 @@ def test_the_engine_thread_runs_on_the_engines_cuda_device(device, bound, monkey
         return worker.health()
 
     assert asyncio.run(main())["engine"] == "stopped" and seen == [bound]
-
-
-def test_starting_the_engine_thread_shortens_the_interpreter_lock_switch_interval(monkeypatch):
-    import sys
-
-    from graphrelay.capture.serving import engine_worker
-
-    monkeypatch.setattr(sys, "getswitchinterval", lambda: 0.005)  # the default
-    set_to = []
-    monkeypatch.setattr(sys, "setswitchinterval", set_to.append)
-
-    async def main():
-        worker = EngineWorker(ScriptedLoop(_next_requests), max_waiting=0)
-        worker.start()
-        await worker.stop()
-
-    asyncio.run(main())
-    assert set_to == [engine_worker.GIL_SWITCH_INTERVAL_S] and engine_worker.GIL_SWITCH_INTERVAL_S < 0.005

@@ -32,13 +32,6 @@ from graphrelay.capture.serving.loop import RequestOutput, ServingLoop
 from graphrelay.capture.serving.loop_stats import LoopStats
 from graphrelay.capture.serving.workloads import Request
 
-# Python's interval between forced hand-overs of the interpreter lock while the engine thread
-# runs. A CPU model of the two threads (an iteration waiting 0.8 ms on the GPU then 0.3 ms of
-# host work, beside an event loop busy 3 ms at a stretch): 4.1 ms an iteration at the default
-# 5 ms, 1.8 at 0.5 ms, 1.5 at 0.2 ms, 1.2 alone.
-GIL_SWITCH_INTERVAL_S = 0.00025
-
-
 class NewTokens(NamedTuple):
     tokens: list[int]
     logprobs: Optional[list[TokenLogprobs]]  # one per token when the request asked
@@ -97,10 +90,6 @@ class EngineWorker:
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will `submit`."""
         self._events = asyncio.get_running_loop()
-        # The engine thread gives up the interpreter lock while it waits on the GPU and must
-        # take it back to launch the next iteration; a busy event loop keeps it for up to the
-        # switch interval (5 ms by default), a stall of several ~1 ms iterations each time.
-        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         self._thread.start()
 
     def submit(self, request: Request) -> asyncio.Queue:

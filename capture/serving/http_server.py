@@ -211,33 +211,24 @@ class OpenAIServer:
             return Piece(part, None if cursor is None else cursor.take(part, last))
 
         while True:
-            # A stream that fell behind the engine (a busy event loop) sends what has queued up
-            # as one piece: one SSE event for several tokens, so the HTTP side's cost per token
-            # falls as the load rises instead of the backlog growing.
-            events = [await queue.get()]
-            while not queue.empty():
-                events.append(queue.get_nowait())
-            part, reason = "", None
-            for event in events:
-                if isinstance(event, BaseException):
-                    raise EngineStopped(f"the engine failed: {event!r}")
-                if isinstance(event, RequestOutput):
-                    part += text.finish()
-                    reason = "stop" if text.stopped else event.finish_reason
-                    break
+            event = await queue.get()
+            if isinstance(event, BaseException):
+                raise EngineStopped(f"the engine failed: {event!r}")
+            if isinstance(event, RequestOutput):
+                last = text.finish()
+                reason = "stop" if text.stopped else event.finish_reason
+            else:
                 if cursor is not None:
                     cursor.add(event.logprobs)
-                part += text.push(event.tokens)
-                if text.stopped:
-                    self.worker.abort(prepared.request.id)  # the tokens still in flight are not wanted
-                    reason = "stop"
-                    break
-            if reason is None:
-                if part:
-                    yield piece(part, False)
-                continue
+                last = text.push(event.tokens)
+                if not text.stopped:
+                    if last:
+                        yield piece(last, False)
+                    continue
+                self.worker.abort(prepared.request.id)  # the tokens still in flight are not wanted
+                reason = "stop"
             completion.finish_reason, completion.completion_tokens = reason, len(text.tokens)
-            yield piece(part, True)
+            yield piece(last, True)
             return
 
     def _logprobs(self, entries: Optional[list[TokenEntry]], chat: bool) -> Optional[dict]:
