@@ -202,9 +202,9 @@ class LinearPlan:
 def candidate_tiles(rows: int, k: int) -> list[gemv.Tiles]:
     """The Triton tilings start-up timing tries for a projection of `rows` rows and K = k.
 
-    A few per regime, so start-up compiles few variants: the winners of a sweep of ~30
+    A few per regime, so start-up compiles few variants: the winners of a sweep of 10-37
     tilings per row count on the H200 (SmolLM2-135M's four projections, 30 layers' weights in
-    one graph, 1-256 rows). Up to 4 rows: one program per row pair or quad on the CUDA cores,
+    one graph, 1-256 rows; results/tiles_sweep_h200.txt). Up to 4 rows: one program per row pair or quad on the CUDA cores,
     the whole K in one step. 5-16: the same at 4 rows, or the smallest tensor-core tiles.
     Beyond: tensor-core tiles, taller with the row count."""
     whole_k = min(triton.next_power_of_2(k), gemv.FMA_MAX_K)
