@@ -25,7 +25,9 @@ else
     server_args=(--max-reqs 256 --max-batch 256 --max-seq-len 1024 --no-controls); log=$out/http_server.log
 fi
 mkdir -p "$out"
-"$py" -m graphrelay.tools.cli serve --port "$port" "${server_args[@]}" --quiet > "$log" 2>&1 &
+# Not --quiet: the server's last line is the engine thread's own CPU time per iteration, to set
+# beside the in-process run's (a time that grows under HTTP load is the interpreter lock).
+"$py" -m graphrelay.tools.cli serve --port "$port" "${server_args[@]}" > "$log" 2>&1 &
 server=$!
 trap 'kill -TERM $server 2>/dev/null; wait $server' EXIT  # an early exit leaves no server behind
 for _ in $(seq 1 180); do
@@ -43,6 +45,7 @@ trap - EXIT
 kill -TERM $server
 wait $server
 server_rc=$?
+grep -h "graphrelay serve: shut down" "$log"
 if [ $server_rc -ne 0 ]; then
     echo "the server exited with status $server_rc after SIGTERM, not 0; see $log"; tail -5 "$log"
     rc=1
