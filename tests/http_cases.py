@@ -13,6 +13,10 @@ import httpx
 import pytest
 
 
+# `graphrelay serve --port` flags for each place the engine can run (ids: the flags).
+ENGINE_PLACEMENTS = [pytest.param([], id="engine-thread"), pytest.param(["--engine-process"], id="engine-process")]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

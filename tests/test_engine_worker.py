@@ -10,7 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from graphrelay.capture.serving.engine_worker import EngineStopped, EngineWorker, Overloaded
+from graphrelay.capture.model.model import ModelConfig
+from graphrelay.capture.serving.engine_handle import EngineStopped, Overloaded
+from graphrelay.capture.serving.engine_worker import EngineWorker
 from graphrelay.capture.serving.inbox import Inbox
 from graphrelay.capture.serving.loop import RequestOutput
 from graphrelay.capture.serving.workloads import Request
@@ -22,7 +24,9 @@ class ScriptedLoop:
     """Runs `script(inbox, sink)` as its serve; two slots."""
 
     def __init__(self, script, device: str = "cpu"):
-        self.engine = SimpleNamespace(max_reqs=2, device=torch.device(device), on_gpu=device.startswith("cuda"))
+        self.engine = SimpleNamespace(max_reqs=2, device=torch.device(device), on_gpu=device.startswith("cuda"),
+                                      model=SimpleNamespace(config=ModelConfig()), config=SimpleNamespace(max_top_k=0),
+                                      controls=None)
         self.script = script
 
     def serve(self, inbox: Inbox, sink):

@@ -25,7 +25,7 @@ from graphrelay.capture.iteration.controls.logprobs import TokenLogprobs
 from graphrelay.capture.serving.detokenize import TextStream
 from graphrelay.capture.serving.openai_logprobs import LogprobCursor
 from controls_cases import REGEX, SCHEMA
-from http_cases import start_server, stop_server, wait_until_idle
+from http_cases import ENGINE_PLACEMENTS, start_server, stop_server, wait_until_idle
 
 MODEL = "tiny"
 MAX_BIAS, GRAMMAR_STATES = 4, 256
@@ -34,9 +34,10 @@ PROMPT = "Once upon a time"
 CHAT = [{"role": "user", "content": "Tell me a story."}]
 
 
-@pytest.fixture(scope="module")
-def server():
-    process = start_server(["--model", MODEL, "--weights", "random", "--tokenizer", "--device", "cpu",
+# Every test runs against both engine placements: a thread in the server, its own process.
+@pytest.fixture(scope="module", params=ENGINE_PLACEMENTS)
+def server(request):
+    process = start_server(request.param + ["--model", MODEL, "--weights", "random", "--tokenizer", "--device", "cpu",
                             "--max-reqs", "2", "--max-batch", "2", "--max-seq-len", "256",
                             "--max-logit-bias", str(MAX_BIAS), "--grammar-states", str(GRAMMAR_STATES)], START_TIMEOUT_S)
     yield process

@@ -13,6 +13,7 @@ import msgspec
 from graphrelay.capture.iteration.engine import Engine, EngineConfig
 from graphrelay.capture.model.model import ModelConfig
 from graphrelay.capture.serving import http_server
+from graphrelay.capture.serving.engine_worker import EngineWorker
 from graphrelay.capture.serving.http_server import OpenAIServer, ServerOptions
 from graphrelay.capture.serving.loop import ServingLoop
 
@@ -20,7 +21,7 @@ from graphrelay.capture.serving.loop import ServingLoop
 def test_completion_and_chat_requests_are_prepared_off_the_event_loop(codec, monkeypatch):
     config = msgspec.structs.replace(ModelConfig.preset("tiny"), vocab_size=len(codec.tokenizer), max_seq_len=256)
     engine = Engine(EngineConfig(config, max_reqs=2, max_batch=2, device="cpu", use_graphs=False))
-    server = OpenAIServer(ServingLoop(engine, "overlap"), codec, ServerOptions(model_name="tiny"))
+    server = OpenAIServer(EngineWorker(ServingLoop(engine, "overlap"), 1024), codec, ServerOptions(model_name="tiny"))
     threads = []
 
     def recording(prepare):

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from http_cases import health, start_server, stop_server, wait_until_idle
+from http_cases import ENGINE_PLACEMENTS, health, start_server, stop_server, wait_until_idle
 
 MODEL = "tiny"
 SLOTS, WAITING, CONTEXT, BODY_LIMIT = 2, 2, 1024, 65536
@@ -26,9 +26,10 @@ START_TIMEOUT_S = 300  # tokenizer and model load on a busy CPU
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
 
-@pytest.fixture(scope="module")
-def server():
-    process = start_server(["--model", MODEL, "--weights", "random", "--tokenizer", "--device", "cpu",
+# Every test runs against both engine placements: a thread in the server, its own process.
+@pytest.fixture(scope="module", params=ENGINE_PLACEMENTS)
+def server(request):
+    process = start_server(request.param + ["--model", MODEL, "--weights", "random", "--tokenizer", "--device", "cpu",
                             "--max-reqs", str(SLOTS), "--max-batch", str(SLOTS), "--max-waiting", str(WAITING),
                             "--max-seq-len", str(CONTEXT), "--max-body-bytes", str(BODY_LIMIT), "--no-controls"],
                            START_TIMEOUT_S)

@@ -23,6 +23,9 @@ else
     # and no sampling controls in the graph (the in-process workload uses none; `bench
     # controls` measures what carrying them costs).
     server_args=(--max-reqs 256 --max-batch 256 --max-seq-len 1024 --no-controls); log=$out/http_server.log
+    # GRAPHRELAY_HTTP_SERVER_ARGS: extra server flags, e.g. "--engine-process".
+    read -r -a extra_args <<< "${GRAPHRELAY_HTTP_SERVER_ARGS:-}"
+    server_args+=("${extra_args[@]}")
 fi
 mkdir -p "$out"
 # Not --quiet: the server's last line is the engine thread's own CPU time per iteration, to set

@@ -10,6 +10,7 @@ an OpenAI-compatible HTTP API instead (`capture.serving.http_server`) until SIGI
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 from typing import Optional
@@ -96,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--controls", action=argparse.BooleanOptionalAction, default=True,
                       help="build the engine with sampling controls (penalties, logit_bias, min_tokens, logprobs, "
                            "response_format); --no-controls: a request that uses them gets a 400 (default: on)")
+    http.add_argument("--engine-process", action="store_true",
+                      help="run the engine in its own process (the HTTP side and the loop then share no interpreter "
+                           "lock); default: an engine thread in the server's process")
     http.add_argument("--shutdown-grace", type=float, default=30.0,
                       help="seconds running requests get to finish on SIGINT/SIGTERM before they are aborted")
     p.add_argument("--show", type=int, default=3, help="completions to print (default 3)")
@@ -265,10 +269,10 @@ def _serve(args) -> int:
     if args.port is not None:
         _check_http_args(args)
     say = (lambda *_: None) if args.quiet else (lambda text: print(text, file=sys.stderr, flush=True))
+    if args.port is not None:
+        return _serve_http(args, device, say)
     loaded = _load(args, device)
     model = loaded.config
-    if args.port is not None:
-        return _serve_http(args, loaded, device, say)
     if args.requests is not None:
         requests = load_jsonl(args.requests, loaded.codec, chat=args.chat)
     elif loaded.codec is not None and not args.synthetic:
@@ -352,22 +356,46 @@ def _check_http_args(args) -> None:
         raise ValueError("--max-waiting and --shutdown-grace must be >= 0 and --max-body-bytes >= 1")
 
 
-def _serve_http(args, loaded: LoadedModel, device: torch.device, say) -> int:
-    from graphrelay.capture.serving.http_server import ServerOptions, run_server  # needs the `serve` extra
+def _serve_http(args, device: torch.device, say) -> int:
+    # needs the `serve` extra
+    from graphrelay.capture.serving.engine_process import EngineProcess
+    from graphrelay.capture.serving.engine_worker import EngineWorker
+    from graphrelay.capture.serving.http_server import ServerOptions, run_server
 
+    if args.engine_process:
+        # This process keeps the tokenizer; the engine process loads the weights itself.
+        codec = _http_codec(args, _load(args, torch.device("cpu")))
+        worker = EngineProcess(functools.partial(build_http_loop, args, device), args.max_waiting)
+    else:
+        loaded = _load(args, device)
+        codec = _http_codec(args, loaded)
+        worker = EngineWorker(build_http_loop(args, device, loaded), args.max_waiting)
+    options = ServerOptions(host=args.host, port=args.port, model_name=args.served_model_name or args.model,
+                            max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
+                            shutdown_grace_s=args.shutdown_grace)
+    return run_server(worker, codec, options, say)
+
+
+def _http_codec(args, loaded: LoadedModel) -> TextCodec:
     if loaded.codec is None:
         raise ValueError(f"the HTTP API serves text, and model {args.model} with random weights has no tokenizer; "
                          f"use the GGUF model, or add --tokenizer for random weights with the real tokenizer")
+    return loaded.codec
+
+
+def build_http_loop(args, device: torch.device, loaded: Optional[LoadedModel] = None) -> ServingLoop:
+    """The HTTP server's engine, captured, in its loop: here or in the engine process
+    (`loaded` None: load the model first)."""
+    loaded = loaded or _load(args, device)
+    say = (lambda *_: None) if args.quiet else (lambda text: print(text, file=sys.stderr, flush=True))
     config = _engine_config(args, loaded.config, device, controls=args.controls)
     engine = Engine(config, weights=loaded.weights, progress=not args.quiet)
     _set_grammar_compiler(engine, loaded)
     say(f"graphrelay serve: model {loaded.source} ({loaded.config.dtype}), mode {args.mode}, device {device}"
-        f"{'' if config.use_graphs else ' (no CUDA graphs)'}; capturing")
+        f"{'' if config.use_graphs else ' (no CUDA graphs)'}; capturing"
+        f"{' in the engine process' if args.engine_process else ''}")
     engine.capture()
-    options = ServerOptions(host=args.host, port=args.port, model_name=args.served_model_name or args.model,
-                            max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
-                            shutdown_grace_s=args.shutdown_grace)
-    return run_server(ServingLoop(engine, args.mode), loaded.codec, options, say)
+    return ServingLoop(engine, args.mode)
 
 
 class RunFailed(RuntimeError):

@@ -1,12 +1,14 @@
 """`graphrelay serve --port PORT`: the OpenAI-compatible HTTP API over the serving loop.
 
-Starlette under uvicorn, one event loop. Handlers validate a request (`openai_api`), submit
-it to the engine thread (`engine_worker`) and turn the tokens that come back into text
+Starlette under uvicorn, one event loop. Handlers validate a request (`openai_api`), hand
+it to the engine (an `engine_handle.EngineHandle`: a thread in this process, `engine_worker`,
+or its own process, `engine_process`) and turn the tokens that come back into text
 (`detokenize.TextStream`, which also applies the stop strings) for a JSON answer or a
 server-sent-event stream, each piece with the logprobs of the tokens it carries when asked
-(`openai_logprobs`). The detokenization stays on this side, so the engine thread only
-schedules and reads tokens. A request's grammar compiles in a worker thread before it is
-submitted, so a slow compile holds up only its own request.
+(`openai_logprobs`). The detokenization stays on this side, so the engine only schedules and
+reads tokens. With an engine thread, a request's grammar compiles in a worker thread before it
+is submitted, so a slow compile holds up only its own request; an engine process compiles it
+as it admits the request.
 
 A client that goes away mid-stream cancels its handler, which aborts the request; the loop
 frees the slot once no in-flight iteration reads it. SIGINT / SIGTERM: uvicorn stops
@@ -32,11 +34,11 @@ from starlette.routing import Route
 
 from graphrelay.capture.model.text import TextCodec
 from graphrelay.capture.serving.detokenize import TextStream
-from graphrelay.capture.serving.engine_worker import EngineStopped, EngineWorker, Overloaded
-from graphrelay.capture.serving.loop import RequestOutput, ServingLoop
+from graphrelay.capture.serving.engine_handle import EngineHandle, EngineStopped, Overloaded, Rejected
+from graphrelay.capture.serving.loop import RequestOutput
 from graphrelay.capture.serving.openai_api import (
-    ApiError, ChatRequest, CompletionRequest, Limits, Prepared, check_controls, decode, prepare_chat, prepare_completion,
-    usage,
+    ApiError, ChatRequest, CompletionRequest, Limits, Prepared, check_controls, controls_error, decode, prepare_chat,
+    prepare_completion, usage,
 )
 from graphrelay.capture.serving.openai_logprobs import (
     LogprobCursor, TokenEntry, TokenStrings, chat_logprobs, completion_logprobs,
@@ -84,15 +86,14 @@ class Completion:
 class OpenAIServer:
     """The app's handlers; `app` is the ASGI application."""
 
-    def __init__(self, loop: ServingLoop, codec: TextCodec, options: ServerOptions):
-        config = loop.engine.model.config
+    def __init__(self, worker: EngineHandle, codec: TextCodec, options: ServerOptions):
+        info = worker.info
         self.codec = codec
         self.options = options
-        self.controls = loop.engine.controls
-        self.limits = Limits(options.model_name, config.max_seq_len, config.vocab_size, loop.engine.config.max_top_k,
-                             controls=self.controls is not None)
+        self.limits = Limits(options.model_name, info.model.max_seq_len, info.model.vocab_size, info.max_top_k,
+                             controls=info.has_controls)
         self.token_strings = TokenStrings(codec.tokenizer)
-        self.worker = EngineWorker(loop, options.max_waiting)
+        self.worker = worker
         self.started = int(time.time())
         self.app = Starlette(
             routes=[
@@ -144,7 +145,7 @@ class OpenAIServer:
             # Chat template, tokenization and any grammar compile run on a worker thread: on the
             # event loop a long prompt (or a new schema) would stall every open stream.
             prepared = await asyncio.get_running_loop().run_in_executor(None, self._prepare, prepare, body)
-            queue = self._submit(prepared)
+            queue = await self._admit(prepared)
         except ApiError as exc:
             return _error(exc)
         completion = Completion(prepared)
@@ -173,8 +174,10 @@ class OpenAIServer:
 
     def _prepare(self, prepare: Callable, body) -> Prepared:
         prepared = prepare(body, self.codec, self.limits)
-        if prepared.request.controls is not None:
-            check_controls(self.controls, prepared)
+        # An engine on this side checks (and compiles) controls here; one in its own process
+        # checks them as it admits the request (`_admit`).
+        if prepared.request.controls is not None and self.worker.controls is not None:
+            check_controls(self.worker.controls, prepared)
         return prepared
 
     async def _body(self, http: HttpRequest) -> bytes:
@@ -191,9 +194,11 @@ class OpenAIServer:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _submit(self, prepared: Prepared):
+    async def _admit(self, prepared: Prepared):
         try:
-            return self.worker.submit(prepared.request)
+            return await self.worker.admit(prepared.request)
+        except Rejected as exc:
+            raise controls_error(str(exc), prepared) from None
         except Overloaded as exc:
             raise ApiError(f"server busy: {exc}; retry later", status=429, kind="rate_limit_error",
                            code="server_busy", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -295,10 +300,10 @@ async def _disconnected(http: HttpRequest) -> None:
         pass
 
 
-def run_server(loop: ServingLoop, codec: TextCodec, options: ServerOptions, say: Callable[[str], None]) -> int:
-    """Serve until SIGINT or SIGTERM; returns 0 after a clean shutdown. The engine must be
-    captured already (this thread), and is used from the engine thread only from now on."""
-    server = OpenAIServer(loop, codec, options)
+def run_server(worker: EngineHandle, codec: TextCodec, options: ServerOptions, say: Callable[[str], None]) -> int:
+    """Serve until SIGINT or SIGTERM; returns 0 after a clean shutdown. The worker's engine
+    must be captured already, and is used from the engine side only from now on."""
+    server = OpenAIServer(worker, codec, options)
     config = uvicorn.Config(server.app, host=options.host, port=options.port, log_level="warning", access_log=False,
                             lifespan="on", timeout_graceful_shutdown=options.shutdown_grace_s)
     uvicorn_server = uvicorn.Server(config)
@@ -310,7 +315,7 @@ def run_server(loop: ServingLoop, codec: TextCodec, options: ServerOptions, say:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     say(f"graphrelay serve: {options.model_name} on http://{options.host}:{options.port}/v1 "
-        f"({loop.engine.max_reqs} slots, {options.max_waiting} waiting at most)")
+        f"({worker.info.max_reqs} slots, {options.max_waiting} waiting at most)")
     uvicorn_server.run()
     if server.worker.failure is not None:
         say(f"graphrelay serve: the engine failed: {server.worker.failure!r}")

@@ -244,13 +244,18 @@ def check_controls(controls: SamplingControls, prepared: Prepared) -> None:
     try:
         controls.check(params, prepared.request.stop_tokens)
     except ValueError as exc:
-        # The engine's messages begin with the field they are about; any other is the grammar's.
-        field = re.match(r"\w+", str(exc)).group()
-        name = request_name(field if field in ControlParams.__struct_fields__ else "json_schema", prepared.control_names)
-        message = str(exc)
-        for config, flag in SERVE_FLAGS.items():
-            message = message.replace(config, flag)
-        raise ApiError(f"{name}: {message}", param=name) from None
+        raise controls_error(str(exc), prepared) from None
+
+
+def controls_error(message: str, prepared: Prepared) -> ApiError:
+    """The 400 for the engine's refusal of a request's controls, named by the request's own
+    parameter (and the server's flags rather than the engine's config names)."""
+    # The engine's messages begin with the field they are about; any other is the grammar's.
+    field = re.match(r"\w+", message).group()
+    name = request_name(field if field in ControlParams.__struct_fields__ else "json_schema", prepared.control_names)
+    for config, flag in SERVE_FLAGS.items():
+        message = message.replace(config, flag)
+    return ApiError(f"{name}: {message}", param=name)
 
 
 def _changed_fields(params: ControlParams) -> list[str]:
