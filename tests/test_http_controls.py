@@ -5,8 +5,9 @@ non-streamed answers (also across a stop-string cut), constrained outputs match 
 schema or regex, and bad control values get a 400 naming the parameter while the server keeps
 serving.
 
-One server for the module: the tiny model with random weights and the real tokenizer on the
-CPU, with small static control limits (4 logit_bias entries, a 256-state grammar pool) so the
+One server for the module per engine placement (thread or process, where the controls are
+checked at admission): the tiny model with random weights and the real tokenizer on the CPU,
+with small static control limits (4 logit_bias entries, a 256-state grammar pool) so the
 limits are cheap to reach.
 """
 
