@@ -62,3 +62,14 @@ def test_a_dead_engine_process_stops_the_server_with_status_1():
         assert server.wait(timeout=120) == 1, server.stdout.read().decode()
     finally:
         stop_server(server)
+
+
+def test_the_server_process_reads_the_tokenizer_and_no_weights(monkeypatch):
+    from graphrelay.capture.model import model_source
+
+    monkeypatch.setattr(model_source, "read_gguf", lambda *a, **k: pytest.fail("weights were read"))
+    codec = model_source.load_codec("smollm2-135m")
+    assert codec is not None and codec.decode(codec.encode("Hello there")) == "Hello there"
+    assert model_source.load_codec("tiny", weights="random") is None
+    with pytest.raises(ValueError, match="goes with random weights only"):
+        model_source.load_codec("smollm2-135m", tokenizer="")

@@ -34,15 +34,8 @@ def load_model(
     whose tokenizer and chat template to use, "" for the default file; the vocabulary is
     resized to it, so a small random model serves text (fast tests of the text path). Raises
     ModelFileError with the install hint when a file is needed but missing."""
-    if weights not in WEIGHT_SOURCES:
-        raise ValueError(f"weights {weights!r} is not one of {WEIGHT_SOURCES}")
     preset = ModelConfig.preset(name)
-    real = uses_gguf(name, weights, gguf)
-    if gguf is not None and not real:
-        raise ValueError("--gguf PATH gives real weights, which --weights random leaves unused; drop one of them "
-                         "(random weights take the file's tokenizer with --tokenizer PATH)")
-    if real and tokenizer is not None:
-        raise ValueError("a tokenizer file goes with random weights only (a GGUF model brings its own); use --weights random")
+    real = _check_sources(name, weights, gguf, tokenizer)
     if not real:
         config = msgspec.structs.replace(preset, dtype=dtype, max_seq_len=max_seq_len)
         if tokenizer is None:
@@ -54,6 +47,29 @@ def load_model(
     path = resolve_gguf_path(gguf)
     config, loaded = read_gguf(path, max_seq_len=max_seq_len, dtype=dtype)
     return LoadedModel(config, loaded, TextCodec(path), f"{path.name}")
+
+
+def load_codec(name: str, *, weights: str = "auto", gguf: Optional[str] = None,
+               tokenizer: Optional[str] = None) -> Optional[TextCodec]:
+    """The tokenizer and chat template `load_model` would give, without reading any weights
+    (a process that serves text while another holds the model)."""
+    ModelConfig.preset(name)
+    if _check_sources(name, weights, gguf, tokenizer):
+        return TextCodec(resolve_gguf_path(gguf))
+    return None if tokenizer is None else TextCodec(resolve_gguf_path(tokenizer or None))
+
+
+def _check_sources(name: str, weights: str, gguf: Optional[str], tokenizer: Optional[str]) -> bool:
+    """Reject sources that do not go together; returns whether the weights come from a GGUF."""
+    if weights not in WEIGHT_SOURCES:
+        raise ValueError(f"weights {weights!r} is not one of {WEIGHT_SOURCES}")
+    real = uses_gguf(name, weights, gguf)
+    if gguf is not None and not real:
+        raise ValueError("--gguf PATH gives real weights, which --weights random leaves unused; drop one of them "
+                         "(random weights take the file's tokenizer with --tokenizer PATH)")
+    if real and tokenizer is not None:
+        raise ValueError("a tokenizer file goes with random weights only (a GGUF model brings its own); use --weights random")
+    return real
 
 
 def uses_gguf(name: str, weights: str, gguf: Optional[str]) -> bool:

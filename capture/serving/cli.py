@@ -27,7 +27,9 @@ from graphrelay.capture.serving.detokenize import TextSink
 from graphrelay.capture.serving.inbox import CollectingSink, Inbox
 from graphrelay.capture.serving.loop import MODES, LoopResult, ServingLoop
 from graphrelay.capture.model.model import MODEL_DTYPES, MODEL_PRESETS, ModelConfig
-from graphrelay.capture.model.model_source import WEIGHT_SOURCES, LoadedModel, default_dtype, load_model, uses_gguf
+from graphrelay.capture.model.model_source import (
+    WEIGHT_SOURCES, LoadedModel, default_dtype, load_codec, load_model, uses_gguf,
+)
 from graphrelay.capture.model.text import TextCodec
 from graphrelay.capture.iteration.sampling import SamplingParams
 from graphrelay.capture.iteration.ngram import SpecConfig
@@ -161,6 +163,11 @@ def _device(args) -> torch.device:
     return device
 
 
+def _say(args):
+    """Progress lines to stderr, or nothing with --quiet."""
+    return (lambda *_: None) if args.quiet else (lambda text: print(text, file=sys.stderr, flush=True))
+
+
 def _load(args, device: torch.device) -> LoadedModel:
     return load_model(args.model, weights=args.weights, gguf=args.gguf,
                       dtype=args.dtype or default_dtype(device.type), max_seq_len=args.max_seq_len,
@@ -244,6 +251,9 @@ def _check_serve_args(parser: argparse.ArgumentParser, args) -> None:
     if args.tp < 1:
         raise ValueError(f"--tp must be at least 1, got {args.tp}")
     if args.port is None:
+        if args.engine_process:
+            raise ValueError("--engine-process places the HTTP server's engine; it goes with --port (a workload run "
+                             "has no server): add --port PORT or drop --engine-process")
         text = uses_gguf(args.model, args.weights, args.gguf) or args.tokenizer is not None
         if args.requests is not None:
             what, foreign = f"the requests in {args.requests} (each gives its own length and sampling)", SYNTHETIC_FLAGS + BUILT_IN_FLAGS
@@ -268,7 +278,7 @@ def _serve(args) -> int:
         check_output_path(args.json)
     if args.port is not None:
         _check_http_args(args)
-    say = (lambda *_: None) if args.quiet else (lambda text: print(text, file=sys.stderr, flush=True))
+    say = _say(args)
     if args.port is not None:
         return _serve_http(args, device, say)
     loaded = _load(args, device)
@@ -364,11 +374,11 @@ def _serve_http(args, device: torch.device, say) -> int:
 
     if args.engine_process:
         # This process keeps the tokenizer; the engine process loads the weights itself.
-        codec = _http_codec(args, _load(args, torch.device("cpu")))
+        codec = _http_codec(args, load_codec(args.model, weights=args.weights, gguf=args.gguf, tokenizer=args.tokenizer))
         worker = EngineProcess(functools.partial(build_http_loop, args, device), args.max_waiting)
     else:
         loaded = _load(args, device)
-        codec = _http_codec(args, loaded)
+        codec = _http_codec(args, loaded.codec)
         worker = EngineWorker(build_http_loop(args, device, loaded), args.max_waiting)
     options = ServerOptions(host=args.host, port=args.port, model_name=args.served_model_name or args.model,
                             max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
@@ -376,18 +386,18 @@ def _serve_http(args, device: torch.device, say) -> int:
     return run_server(worker, codec, options, say)
 
 
-def _http_codec(args, loaded: LoadedModel) -> TextCodec:
-    if loaded.codec is None:
+def _http_codec(args, codec: Optional[TextCodec]) -> TextCodec:
+    if codec is None:
         raise ValueError(f"the HTTP API serves text, and model {args.model} with random weights has no tokenizer; "
                          f"use the GGUF model, or add --tokenizer for random weights with the real tokenizer")
-    return loaded.codec
+    return codec
 
 
 def build_http_loop(args, device: torch.device, loaded: Optional[LoadedModel] = None) -> ServingLoop:
     """The HTTP server's engine, captured, in its loop: here or in the engine process
     (`loaded` None: load the model first)."""
     loaded = loaded or _load(args, device)
-    say = (lambda *_: None) if args.quiet else (lambda text: print(text, file=sys.stderr, flush=True))
+    say = _say(args)
     config = _engine_config(args, loaded.config, device, controls=args.controls)
     engine = Engine(config, weights=loaded.weights, progress=not args.quiet)
     _set_grammar_compiler(engine, loaded)

@@ -103,24 +103,31 @@ _to_child = msgspec.msgpack.Decoder(ToChild)
 _to_parent = msgspec.msgpack.Decoder(ToParent)
 
 
+class _Pipe:
+    """One end of the pipe: whole messages, sent from any thread (one lock keeps them whole)."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, message) -> None:
+        data = _encode(message)
+        with self._lock:
+            self.conn.send_bytes(data)
+
+
 # ---- the child -------------------------------------------------------------------------------
 
 class _PipeSink:
     """The loop's Sink in the child: appends on the loop's thread, a sender thread ships."""
 
-    def __init__(self, conn: Connection, loop: ServingLoop):
-        self.conn, self.loop = conn, loop
-        self.send_lock = threading.Lock()  # the reader thread sends admissions on the same pipe
+    def __init__(self, pipe: _Pipe, loop: ServingLoop):
+        self.pipe, self.loop = pipe, loop
         self._events: deque = deque()
         self._wake = threading.Event()
         self._stopped = False
         self._thread = threading.Thread(target=self._ship, name="graphrelay-engine-sender", daemon=True)
         self._thread.start()
-
-    def send(self, message) -> None:
-        data = _encode(message)
-        with self.send_lock:
-            self.conn.send_bytes(data)
 
     def on_tokens(self, request_id: str, tokens: list[int], logprobs=None) -> None:
         self._events.append(Tokens(request_id, tokens, logprobs))
@@ -141,26 +148,26 @@ class _PipeSink:
             self._wake.wait(HEARTBEAT_S)
             self._wake.clear()
             events = [self._events.popleft() for _ in range(len(self._events))]
-            self.send(Results(events, self.loop.occupancy(), resident_bytes()))
+            self.pipe.send(Results(events, self.loop.occupancy(), resident_bytes()))
             if self._stopped and not self._events:
                 return
 
 
-def _read_requests(conn: Connection, loop: ServingLoop, inbox: Inbox, sink: _PipeSink) -> None:
+def _read_requests(pipe: _Pipe, loop: ServingLoop, inbox: Inbox) -> None:
     controls = loop.engine.controls
     try:
         while True:
-            message = _to_child.decode(conn.recv_bytes())
+            message = _to_child.decode(pipe.conn.recv_bytes())
             if isinstance(message, Submit):
                 request = message.request
                 if request.controls is not None and controls is not None:
                     try:
                         controls.check(request.controls, request.stop_tokens)
                     except ValueError as exc:
-                        sink.send(RejectedRequest(request.id, str(exc)))
+                        pipe.send(RejectedRequest(request.id, str(exc)))
                         continue
                 inbox.submit(request)
-                sink.send(Admitted(request.id))
+                pipe.send(Admitted(request.id))
             elif isinstance(message, Abort):
                 inbox.abort(message.request_id)
             else:
@@ -174,25 +181,21 @@ def child_main(build: Callable[[], ServingLoop], conn: Connection) -> None:
     """The engine process's entry point (`multiprocessing`, spawn)."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)  # the parent decides when to stop (Close)
-    sink = None
+    pipe = _Pipe(conn)
     try:
         loop = build()
-        conn.send_bytes(_encode(Ready(EngineInfo.of(loop.engine))))
+        pipe.send(Ready(EngineInfo.of(loop.engine)))
         inbox = Inbox()
-        sink = _PipeSink(conn, loop)
-        threading.Thread(target=_read_requests, args=(conn, loop, inbox, sink), name="graphrelay-engine-reader",
+        sink = _PipeSink(pipe, loop)
+        threading.Thread(target=_read_requests, args=(pipe, loop, inbox), name="graphrelay-engine-reader",
                          daemon=True).start()
         stats = loop.serve(inbox, sink)
         sink.close()
-        sink.send(Finished(stats))
+        pipe.send(Finished(stats))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails its requests
         traceback.print_exc()
-        message = Failed(f"{type(exc).__name__}: {exc}")
         try:
-            if sink is not None:
-                sink.send(message)
-            else:
-                conn.send_bytes(_encode(message))
+            pipe.send(Failed(f"{type(exc).__name__}: {exc}"))
         except OSError:
             pass
         raise SystemExit(1) from None
@@ -222,7 +225,7 @@ class EngineProcess(EngineHandle):
             self._process.join(10)
             raise RuntimeError(f"the engine process failed to start: {getattr(first, 'message', first)}")
         super().__init__(first.info, max_waiting)
-        self._send_lock = threading.Lock()
+        self._pipe = _Pipe(self._conn)
         self._occupancy: dict = {"slots": first.info.max_reqs, "free_slots": first.info.max_reqs, "running": 0,
                                  "retiring": 0, "waiting": 0}
         self._engine_rss: Optional[int] = None
@@ -239,7 +242,7 @@ class EngineProcess(EngineHandle):
     def submit(self, request: Request) -> asyncio.Queue:
         queue = self._register(request)
         self._admissions[request.id] = self._events.create_future()
-        self._send(Submit(request))
+        self._pipe.send(Submit(request))
         return queue
 
     async def admit(self, request: Request) -> asyncio.Queue:
@@ -255,13 +258,13 @@ class EngineProcess(EngineHandle):
 
     def abort(self, request_id: str) -> None:
         if self._process.is_alive():
-            self._send(Abort(request_id))
+            self._pipe.send(Abort(request_id))
 
     async def stop(self) -> None:
         """Admit nothing more, let the engine finish what it holds, wait for the process."""
         if self._process.is_alive():
             try:
-                self._send(Close())
+                self._pipe.send(Close())
             except OSError:
                 pass
         await asyncio.to_thread(self._finished_run.wait)
@@ -272,11 +275,6 @@ class EngineProcess(EngineHandle):
 
     def occupancy(self) -> dict:
         return {**self._occupancy, "engine_rss_bytes": self._engine_rss}
-
-    def _send(self, message) -> None:
-        data = _encode(message)
-        with self._send_lock:
-            self._conn.send_bytes(data)
 
     def _admitted(self, request_id: str, error: Optional[str]) -> None:
         """On the event loop: resolve `admit`'s wait; a rejected request is no longer outstanding."""
