@@ -14,7 +14,8 @@ import pytest
 
 
 # `graphrelay serve --port` flags for each place the engine can run (ids: the flags).
-ENGINE_PLACEMENTS = [pytest.param([], id="engine-thread"), pytest.param(["--engine-process"], id="engine-process")]
+ENGINE_PLACEMENTS = [pytest.param([], id="engine-process"),  # the default
+                     pytest.param(["--engine-placement", "thread"], id="engine-thread")]
 
 
 def free_port() -> int:

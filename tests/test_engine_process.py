@@ -1,4 +1,4 @@
-"""The engine in its own process (`serve --port --engine-process`): its pipe messages carry
+"""The engine in its own process (`serve --port`, the default placement): its pipe messages carry
 results intact, and an engine process that dies stops the server (exit status 1) instead of
 leaving it listening. The HTTP behaviour itself runs in both placements in test_http_server
 and test_http_controls."""
@@ -49,7 +49,7 @@ def _children(pid: int) -> list[int]:
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process tree from /proc (Linux)")
 def test_a_dead_engine_process_stops_the_server_with_status_1():
-    server = start_server(["--engine-process", "--model", "tiny", "--weights", "random", "--tokenizer", "--device",
+    server = start_server(["--model", "tiny", "--weights", "random", "--tokenizer", "--device",
                            "cpu", "--max-reqs", "2", "--max-batch", "2", "--max-seq-len", "256"], START_TIMEOUT_S)
     try:
         answer = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2},

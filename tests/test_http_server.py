@@ -5,7 +5,7 @@ the server keeps serving, a full server answers 429, a client that disconnects a
 request and frees its slot, and SIGTERM shuts down cleanly with exit status 0.
 
 One server for the module per engine placement (a thread in the server, or its own process:
-`--engine-process`): the tiny model with random weights and the real tokenizer, 2 slots and 2
+the default, `--engine-placement process`, or `thread`): the tiny model with random weights and the real tokenizer, 2 slots and 2
 waiting places (so overload is easy to reach), run on the CPU, without sampling controls (a
 request that uses them gets a 400 saying so; test_http_controls serves them).
 """

@@ -248,7 +248,7 @@ def test_a_run_that_fails_part_way_keeps_what_finished(tmp_path, capsys, monkeyp
     (["--spec-k", "0"], "--spec-k sets up speculative decoding, which is off; add --spec ngram"),
     (["--spec-ngram", "2,2"], "--spec-ngram sets up speculative decoding, which is off"),
     (["--gguf", "/missing.gguf", "--weights", "random"], "--gguf PATH gives real weights, which --weights random leaves unused"),
-    (["--engine-process"], "--engine-process places the HTTP server's engine; it goes with --port"),
+    (["--engine-placement", "thread"], "--engine-placement places the HTTP server's engine; it goes with --port"),
 ])
 def test_options_the_run_would_ignore_are_refused(tmp_path, capsys, args, message):
     path = tmp_path / "requests.jsonl"

@@ -23,7 +23,7 @@ else
     # and no sampling controls in the graph (the in-process workload uses none; `bench
     # controls` measures what carrying them costs).
     server_args=(--max-reqs 256 --max-batch 256 --max-seq-len 1024 --no-controls); log=$out/http_server.log
-    # GRAPHRELAY_HTTP_SERVER_ARGS: extra server flags, e.g. "--engine-process".
+    # GRAPHRELAY_HTTP_SERVER_ARGS: extra server flags, e.g. "--engine-placement thread".
     read -r -a extra_args <<< "${GRAPHRELAY_HTTP_SERVER_ARGS:-}"
     server_args+=("${extra_args[@]}")
 fi

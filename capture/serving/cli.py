@@ -99,9 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--controls", action=argparse.BooleanOptionalAction, default=True,
                       help="build the engine with sampling controls (penalties, logit_bias, min_tokens, logprobs, "
                            "response_format); --no-controls: a request that uses them gets a 400 (default: on)")
-    http.add_argument("--engine-process", action="store_true",
-                      help="run the engine in its own process (the HTTP side and the loop then share no interpreter "
-                           "lock); default: an engine thread in the server's process")
+    http.add_argument("--engine-placement", choices=ENGINE_PLACEMENTS, default=None,
+                      help="where the server's engine runs: 'process' (its own process, so the event loop and the "
+                           "engine loop share no interpreter lock; the default) or 'thread' (a thread of the server's "
+                           "process)")
     http.add_argument("--shutdown-grace", type=float, default=30.0,
                       help="seconds running requests get to finish on SIGINT/SIGTERM before they are aborted")
     p.add_argument("--show", type=int, default=3, help="completions to print (default 3)")
@@ -129,6 +130,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 # Flags that only one kind of workload reads; given to another they would be ignored.
+ENGINE_PLACEMENTS = ("process", "thread")  # --engine-placement: where the HTTP server's engine runs
 SYNTHETIC_FLAGS = ("num_requests", "prompt_len", "output_len", "rate", "temperature", "top_k", "stop_token", "seed")
 BUILT_IN_FLAGS = ("max_new_tokens",)
 
@@ -251,9 +253,9 @@ def _check_serve_args(parser: argparse.ArgumentParser, args) -> None:
     if args.tp < 1:
         raise ValueError(f"--tp must be at least 1, got {args.tp}")
     if args.port is None:
-        if args.engine_process:
-            raise ValueError("--engine-process places the HTTP server's engine; it goes with --port (a workload run "
-                             "has no server): add --port PORT or drop --engine-process")
+        if args.engine_placement is not None:
+            raise ValueError("--engine-placement places the HTTP server's engine; it goes with --port (a workload "
+                             "run has no server): add --port PORT or drop --engine-placement")
         text = uses_gguf(args.model, args.weights, args.gguf) or args.tokenizer is not None
         if args.requests is not None:
             what, foreign = f"the requests in {args.requests} (each gives its own length and sampling)", SYNTHETIC_FLAGS + BUILT_IN_FLAGS
@@ -372,7 +374,7 @@ def _serve_http(args, device: torch.device, say) -> int:
     from graphrelay.capture.serving.engine_worker import EngineWorker
     from graphrelay.capture.serving.http_server import ServerOptions, run_server
 
-    if args.engine_process:
+    if _in_engine_process(args):
         # This process keeps the tokenizer; the engine process loads the weights itself.
         codec = _http_codec(args, load_codec(args.model, weights=args.weights, gguf=args.gguf, tokenizer=args.tokenizer))
         worker = EngineProcess(functools.partial(build_http_loop, args, device), args.max_waiting)
@@ -384,6 +386,13 @@ def _serve_http(args, device: torch.device, say) -> int:
                             max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
                             shutdown_grace_s=args.shutdown_grace)
     return run_server(worker, codec, options, say)
+
+
+def _in_engine_process(args) -> bool:
+    """The HTTP server's engine runs in its own process unless --engine-placement thread: the
+    H200 measured the thread's shared interpreter lock costing twice the added TTFT and half
+    the throughput (README, HTTP server)."""
+    return args.port is not None and (args.engine_placement or "process") == "process"
 
 
 def _http_codec(args, codec: Optional[TextCodec]) -> TextCodec:
@@ -403,7 +412,7 @@ def build_http_loop(args, device: torch.device, loaded: Optional[LoadedModel] = 
     _set_grammar_compiler(engine, loaded)
     say(f"graphrelay serve: model {loaded.source} ({loaded.config.dtype}), mode {args.mode}, device {device}"
         f"{'' if config.use_graphs else ' (no CUDA graphs)'}; capturing"
-        f"{' in the engine process' if args.engine_process else ''}")
+        f"{' in the engine process' if _in_engine_process(args) else ''}")
     engine.capture()
     return ServingLoop(engine, args.mode)
 

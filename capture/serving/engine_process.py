@@ -1,5 +1,5 @@
-"""The engine in its own process behind the HTTP server (`graphrelay serve --port P
---engine-process`): the HTTP process and the loop no longer share an interpreter lock.
+"""The engine in its own process behind the HTTP server (`graphrelay serve --port P`, the
+default placement): the HTTP process and the loop share no interpreter lock.
 
 The child process builds and captures the engine (`build`, a picklable callable returning the
 `ServingLoop`), then runs `ServingLoop.serve` on its main thread. Two more threads there talk to

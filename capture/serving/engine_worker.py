@@ -1,4 +1,5 @@
-"""The engine thread behind the HTTP server (the default; `engine_process` is the other way).
+"""The engine thread behind the HTTP server (`--engine-placement thread`; the default is its
+own process, `engine_process`).
 
 One thread, the only one that touches the GPU, runs `ServingLoop.serve` for the server's
 whole life. The asyncio side talks to it through the loop's `Inbox` (submit, abort, close:

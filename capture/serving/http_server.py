@@ -216,24 +216,32 @@ class OpenAIServer:
             return Piece(part, None if cursor is None else cursor.take(part, last))
 
         while True:
-            event = await queue.get()
-            if isinstance(event, BaseException):
-                raise EngineStopped(f"the engine failed: {event!r}")
-            if isinstance(event, RequestOutput):
-                last = text.finish()
-                reason = "stop" if text.stopped else event.finish_reason
-            else:
+            # Every event waiting becomes one piece: a stream the event loop fell behind on
+            # catches up in one server-sent event instead of one per token, so the loop's cost
+            # per iteration stops growing with the tokens it owes (the engine process posts a
+            # batch per iteration whether or not the loop kept up).
+            shown, reason = [], None
+            for event in await _backlog(queue):
+                if isinstance(event, BaseException):
+                    raise EngineStopped(f"the engine failed: {event!r}")
+                if isinstance(event, RequestOutput):
+                    shown.append(text.finish())
+                    reason = "stop" if text.stopped else event.finish_reason
+                    break
                 if cursor is not None:
                     cursor.add(event.logprobs)
-                last = text.push(event.tokens)
-                if not text.stopped:
-                    if last:
-                        yield piece(last, False)
-                    continue
-                self.worker.abort(prepared.request.id)  # the tokens still in flight are not wanted
-                reason = "stop"
+                shown.append(text.push(event.tokens))
+                if text.stopped:
+                    self.worker.abort(prepared.request.id)  # the tokens still in flight are not wanted
+                    reason = "stop"
+                    break
+            part = "".join(shown)
+            if reason is None:
+                if part:
+                    yield piece(part, False)
+                continue
             completion.finish_reason, completion.completion_tokens = reason, len(text.tokens)
-            yield piece(last, True)
+            yield piece(part, True)
             return
 
     def _logprobs(self, entries: Optional[list[TokenEntry]], chat: bool) -> Optional[dict]:
@@ -284,6 +292,14 @@ class OpenAIServer:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
         return {"id": ("chatcmpl-" if chat else "cmpl-") + prepared.request.id, "object": kind,
                 "created": prepared.created, "model": self.options.model_name}
+
+
+async def _backlog(queue: asyncio.Queue) -> list:
+    """The next event, and every one queued behind it."""
+    events = [await queue.get()]
+    while not queue.empty():
+        events.append(queue.get_nowait())
+    return events
 
 
 async def _join(pieces: AsyncIterator[Piece]) -> tuple[str, Optional[list[TokenEntry]]]:
