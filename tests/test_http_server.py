@@ -76,6 +76,19 @@ def test_completion_streamed_equals_non_streamed_and_usage_is_exact(client, code
     assert other.choices[0].text != whole.choices[0].text, "the seed does not reach the sampler"
 
 
+def test_a_long_text_prompt_is_prepared_off_the_event_loop_and_counted_exactly(client, codec):
+    """Past INLINE_PREPARE_CHARS the prompt is tokenized on a worker thread: same answer."""
+    from graphrelay.capture.serving.http_server import INLINE_PREPARE_CHARS
+
+    prompt = (PROMPT + ". ") * (INLINE_PREPARE_CHARS // len(PROMPT) + 1)
+    assert len(prompt) > INLINE_PREPARE_CHARS and len(codec.encode(prompt)) < CONTEXT - 8
+    args = dict(prompt=prompt, max_tokens=4, temperature=0)
+    whole = client.completions.create(model=MODEL, **args)
+    text, _, usage = _stream_completion(client, **args)
+    assert text == whole.choices[0].text
+    assert usage.prompt_tokens == whole.usage.prompt_tokens == len(codec.encode(prompt))
+
+
 def test_token_id_prompt_counts_its_tokens(client):
     out = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=3, temperature=0)
     assert out.usage.prompt_tokens == 4 and out.usage.completion_tokens <= 3
@@ -123,6 +136,8 @@ BAD_REQUESTS = {
     "wrong type": ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
     "wrong type, bool for int": ("/v1/completions", {"prompt": "hi", "seed": True}, "seed"),
     "prompt too long": ("/v1/completions", {"prompt": [1] * (CONTEXT + 1), "max_tokens": 1}, "prompt"),
+    # long text is tokenized on a worker thread: its error still comes back as the 400
+    "text prompt too long": ("/v1/completions", {"prompt": "hello " * (CONTEXT + 1), "max_tokens": 1}, "prompt"),
     "token id outside the vocabulary": ("/v1/completions", {"prompt": [10**9]}, "prompt"),
     "empty prompt": ("/v1/completions", {"prompt": ""}, "prompt"),
     "missing prompt": ("/v1/completions", {"max_tokens": 3}, "prompt"),

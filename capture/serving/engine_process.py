@@ -15,7 +15,9 @@ the parent over one duplex pipe, every message msgpack-encoded (`msgspec`):
   the child's resident memory (for `/health`); idle, it sends those counts every HEARTBEAT_S.
 
 The parent (`EngineProcess`, an `EngineHandle`) starts the child and waits for `Ready` before
-the server listens, then one reader thread turns `Results` into the handle's batched delivery.
+the server listens; from then on the event loop itself reads the pipe (`add_reader`), so no
+thread of the HTTP process waits on the interpreter lock between the engine's results and the
+streams (a handoff that costs up to the lock's 5 ms switch interval while the loop is busy).
 When the loop returns, the child sends `Finished` with its stats and exits; if it dies or fails
 first, the parent fails every request and stops the server (exit status 1). The child ignores
 SIGINT and SIGTERM: the parent shuts it down with `Close` once its own requests have drained.
@@ -131,11 +133,16 @@ class _PipeSink:
 
     def on_tokens(self, request_id: str, tokens: list[int], logprobs=None) -> None:
         self._events.append(Tokens(request_id, tokens, logprobs))
-        self._wake.set()
+        self._wake_sender()
 
     def on_finish(self, output: RequestOutput) -> None:
         self._events.append(Finish(msgspec.structs.replace(output, token_times_ms=[])))  # unused by the parent
-        self._wake.set()
+        self._wake_sender()
+
+    def _wake_sender(self) -> None:
+        # Event.set takes a lock each call: once per batch, not once per stream an iteration.
+        if not self._wake.is_set():
+            self._wake.set()
 
     def close(self) -> None:
         """Ship what is left, then stop the sender."""
@@ -230,14 +237,14 @@ class EngineProcess(EngineHandle):
                                  "retiring": 0, "waiting": 0}
         self._engine_rss: Optional[int] = None
         self._admissions: dict[str, asyncio.Future] = {}  # asyncio thread only
-        self._finished_run = threading.Event()  # the child sent Finished, or failed
-        self._reader = threading.Thread(target=self._read, name="graphrelay-engine-results", daemon=True)
+        self._finished_run: Optional[asyncio.Event] = None  # set once the child sent Finished, or failed
 
     # ---- asyncio side -----------------------------------------------------------------------
 
     def start(self) -> None:
         self._bind()
-        self._reader.start()
+        self._finished_run = asyncio.Event()
+        self._events.add_reader(self._conn.fileno(), self._read)
 
     def submit(self, request: Request) -> asyncio.Queue:
         queue = self._register(request)
@@ -267,11 +274,11 @@ class EngineProcess(EngineHandle):
                 self._pipe.send(Close())
             except OSError:
                 pass
-        await asyncio.to_thread(self._finished_run.wait)
+        await self._finished_run.wait()
         await asyncio.to_thread(self._process.join)
 
     def running(self) -> bool:
-        return self._process.is_alive() and not self._finished_run.is_set()
+        return self._process.is_alive() and not (self._finished_run is not None and self._finished_run.is_set())
 
     def occupancy(self) -> dict:
         return {**self._occupancy, "engine_rss_bytes": self._engine_rss}
@@ -288,11 +295,11 @@ class EngineProcess(EngineHandle):
             else:
                 future.set_exception(Rejected(error))
 
-    # ---- the results thread -------------------------------------------------------------------
+    # ---- results (on the event loop, whenever the pipe is readable) ------------------------
 
     def _read(self) -> None:
         try:
-            while True:
+            while self._conn.poll():  # every whole message waiting, then back to the loop
                 message = _to_parent.decode(self._conn.recv_bytes())
                 if isinstance(message, Results):
                     self._occupancy, self._engine_rss = message.occupancy, message.rss_bytes
@@ -301,13 +308,11 @@ class EngineProcess(EngineHandle):
                             self.on_tokens(event.request_id, event.tokens, event.logprobs)
                         else:
                             self.on_finish(event.output)
-                elif isinstance(message, Admitted):
-                    self._events.call_soon_threadsafe(self._admitted, message.request_id, None)
-                elif isinstance(message, RejectedRequest):
-                    self._events.call_soon_threadsafe(self._admitted, message.request_id, message.message)
+                elif isinstance(message, (Admitted, RejectedRequest)):
+                    self._admitted(message.request_id, getattr(message, "message", None))
                 elif isinstance(message, Finished):
                     self.stats = message.stats
-                    self._finished_run.set()
+                    self._stop_reading()
                     return
                 else:
                     raise RuntimeError(f"the engine process failed: {message.message}")
@@ -315,9 +320,13 @@ class EngineProcess(EngineHandle):
             if isinstance(exc, EOFError):
                 self._process.join(5)
                 exc = RuntimeError(f"the engine process exited (status {self._process.exitcode})")
-            self._finished_run.set()
-            self._events.call_soon_threadsafe(self._fail_admissions, exc)
+            self._stop_reading()
+            self._fail_admissions(exc)
             self._fail(exc)
+
+    def _stop_reading(self) -> None:
+        self._events.remove_reader(self._conn.fileno())
+        self._finished_run.set()
 
     def _fail_admissions(self, exc: BaseException) -> None:
         for future in self._admissions.values():

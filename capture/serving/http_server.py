@@ -46,6 +46,7 @@ from graphrelay.capture.serving.openai_logprobs import (
 
 _encode = msgspec.json.Encoder().encode
 RETRY_AFTER_S = 1
+INLINE_PREPARE_CHARS = 1024  # prompt text tokenized on the event loop (~0.25 ms at most on a slow CPU)
 
 
 class ServerOptions(msgspec.Struct, frozen=True):
@@ -142,9 +143,12 @@ class OpenAIServer:
     async def _answer(self, http: HttpRequest, kind: type, prepare: Callable, chat: bool) -> Response:
         try:
             body = decode(await self._body(http), kind)
-            # Chat template, tokenization and any grammar compile run on a worker thread: on the
-            # event loop a long prompt (or a new schema) would stall every open stream.
-            prepared = await asyncio.get_running_loop().run_in_executor(None, self._prepare, prepare, body)
+            if self._prepares_quickly(body):
+                prepared = self._prepare(prepare, body)
+            else:
+                # A long prompt's chat template and tokenization, or a grammar's compile, on a
+                # worker thread: on the event loop they would stall every open stream.
+                prepared = await asyncio.get_running_loop().run_in_executor(None, self._prepare, prepare, body)
             queue = await self._admit(prepared)
         except ApiError as exc:
             return _error(exc)
@@ -171,6 +175,18 @@ class OpenAIServer:
                    "finish_reason": completion.finish_reason} if chat else
                   {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason})
         return _json({**self._head(prepared, chat, chunk=False), "choices": [choice], "usage": completion.usage})
+
+    def _prepares_quickly(self, body) -> bool:
+        """Token ids, or text of at most INLINE_PREPARE_CHARS, and no grammar to compile on
+        this side: prepared on the event loop, since the hop to a worker thread and back is two
+        interpreter-lock handoffs, each up to the lock's 5 ms switch interval while the loop
+        is busy: more than the tokenization they would save it."""
+        if self.worker.controls is not None and _asks_grammar(body):
+            return False
+        if isinstance(body, CompletionRequest):
+            return not isinstance(body.prompt, str) or len(body.prompt) <= INLINE_PREPARE_CHARS
+        return sum(len(m.content) if isinstance(m.content, str) else
+                   sum(len(p.text or "") for p in m.content or ()) for m in body.messages) <= INLINE_PREPARE_CHARS
 
     def _prepare(self, prepare: Callable, body) -> Prepared:
         prepared = prepare(body, self.codec, self.limits)
@@ -292,6 +308,11 @@ class OpenAIServer:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
         return {"id": ("chatcmpl-" if chat else "cmpl-") + prepared.request.id, "object": kind,
                 "created": prepared.created, "model": self.options.model_name}
+
+
+def _asks_grammar(body) -> bool:
+    return any(getattr(body, name) is not None
+               for name in ("response_format", "structured_outputs", "guided_regex", "guided_json"))
 
 
 async def _backlog(queue: asyncio.Queue) -> list:
