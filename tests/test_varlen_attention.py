@@ -17,13 +17,14 @@ from graphrelay.capture.kernels.varlen_attention import (
     PAGE,
     VarlenWorkspace,
     identity_block_table,
+    LONG_BLOCK_SPLITS,
     pick_varlen_splits,
     varlen_attention,
 )
 from graphrelay.lint import lint_step
 
 NUM_SLOTS = 5  # slot 0 padding + 4 requests
-MAX_SEQ_LEN = 96  # two key tiles of 64, the second partial
+MAX_SEQ_LEN = 160  # three key tiles of 64, the last partial
 HEAD_DIM = 16
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 SENTINEL = float("nan")  # what `out` holds before the call: padding tokens must keep it
@@ -81,7 +82,9 @@ def test_triton_matches_reference_and_naive_loop(spans, group, kv_heads, padding
         k_cache, v_cache, table = k_logical, v_logical, identity_block_table(NUM_SLOTS, MAX_SEQ_LEN, page)
 
     expected = run(batch, k_cache, v_cache, table, backend="torch", q_block=q_block)
-    got = run(batch, k_cache, v_cache, table, backend="triton", num_splits=num_splits, q_block=q_block)
+    # One key tile per split: every block past its first tile splits (up to num_splits ways).
+    got = run(batch, k_cache, v_cache, table, backend="triton", num_splits=num_splits, q_block=q_block,
+              split_tiles=1)
     covered = batch["covered"]
     assert_padding_untouched(expected, covered)
     assert_padding_untouched(got, covered)
@@ -235,14 +238,16 @@ def test_identity_block_table():
         identity_block_table(3, 60, 16)
 
 
-def test_splits_only_for_small_buckets():
+def test_small_buckets_split_to_fill_the_gpu_and_every_bucket_can_split_a_long_block():
     # SmolLM2 on an H200: 3 KV heads, 2048 keys, 132 SMs. Buckets by growing q-block count.
     buckets = [(1, 1), (16, 16), (64, 64), (2048, 1), (256, 256), (8192, 64)]
     blocks = [max_q_blocks(tokens, spans) for tokens, spans in buckets]
     assert blocks == sorted(blocks)
     counts = [pick_varlen_splits(n, 3, 2048, 132) for n in blocks]
     assert counts == sorted(counts, reverse=True)
-    assert counts[0] > 1 and counts[-2:] == [1, 1]
+    assert counts[0] > LONG_BLOCK_SPLITS and counts[-2:] == [LONG_BLOCK_SPLITS] * 2
+    # Too few keys for two tiles a split: no split.
+    assert pick_varlen_splits(blocks[-1], 3, 64, 132) == 1
 
 
 def test_workspace_for_buckets_fits_every_bucket():
@@ -258,15 +263,33 @@ def test_workspace_for_buckets_fits_every_bucket():
         assert partial.shape == (tokens, 9, splits, 64) and lse.shape == (tokens, 9, splits)
 
 
+def test_the_last_split_merges_and_leaves_the_counters_zero_for_the_next_call():
+    """Split programs count themselves done; the last merges and resets its counter, so one
+    workspace serves call after call (every layer, every bucket) with no reset node."""
+    # Blocks walking 1, 2 and 3 key tiles: with a tile per split they use 1, 2 and 3 splits.
+    batch, k_cache, v_cache, table = small_case(spans=[(1, 0, 20), (2, 150, 1), (3, 100, 30), (4, 80, 1)])
+    tokens = batch["q"].shape[0]
+    workspace = VarlenWorkspace(tokens, SHAPE[0], HEAD_DIM, 3, "cpu")
+    expected = run(batch, k_cache, v_cache, table, backend="torch")
+    for num_splits in (3, 2, 3):
+        got = run(batch, k_cache, v_cache, table, backend="triton", num_splits=num_splits, workspace=workspace,
+                  split_tiles=1)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+        assert not workspace.done.any(), workspace.done.nonzero()
+
+
 def test_workspace_caps_and_rejects():
     batch, k_cache, v_cache, table = small_case()
     tokens = batch["q"].shape[0]
     workspace = VarlenWorkspace(tokens, SHAPE[0], HEAD_DIM, 2, "cpu")
     workspace.lse.fill_(SENTINEL)
-    got = run(batch, k_cache, v_cache, table, backend="triton", num_splits=2, workspace=workspace)
+    got = run(batch, k_cache, v_cache, table, backend="triton", num_splits=2, workspace=workspace, split_tiles=1)
     torch.testing.assert_close(got, run(batch, k_cache, v_cache, table, backend="torch"), atol=1e-5, rtol=0)
-    # Real tokens' cells of the [T, h, 2] prefix were written, nothing past it.
-    assert not workspace.lse.view(tokens, SHAPE[0], 2)[: sum(n for *_, n in SPANS)].isnan().any()
+    # The blocks that split (past their first tile: the decode at 80) wrote their cells of
+    # the [T, h, 2] prefix; the blocks that did not, none.
+    cells = workspace.lse.view(tokens, SHAPE[0], 2)
+    split = batch["token_pos"] >= 64
+    assert split.any() and not cells[split].isnan().any() and cells[~split].isnan().all()
     assert workspace.splits_that_fit(tokens, 16) == 2 and workspace.splits_that_fit(2 * tokens, 2) == 1
     with pytest.raises(ValueError, match="for_buckets"):
         run(batch, k_cache, v_cache, table, backend="triton", num_splits=3, workspace=workspace)
@@ -290,7 +313,7 @@ def _bad_cache(args):
         (lambda a: {**a, "q": a["q"].double()}, "dtypes differ"),
         (lambda a: {**a, "token_pos": a["token_pos"][:-1]}, "token_pos must be"),
         (lambda a: {**a, "token_slot": a["token_slot"].float()}, "token_slot must be int32 or int64"),
-        (lambda a: {**a, "block_table": a["block_table"][:, :5]}, "block_table must be"),
+        (lambda a: {**a, "block_table": a["block_table"][:, :3]}, "block_table must be"),
         (lambda a: {**a, "block_table": a["block_table"].float()}, "block_table must be int32"),
         (lambda a: {**a, "q_block_len": a["q_block_len"][:-1]}, "q_block_start and q_block_len"),
         (lambda a: {**a, "q_block_start": a["q_block_start"].to(torch.int16)}, "q_block_start must be int32"),
@@ -301,6 +324,7 @@ def _bad_cache(args):
         (lambda a: {**a, "q": torch.stack((a["q"], a["q"]), dim=-1)[..., 0]}, "unit-stride"),
         (lambda a: {**a, "backend": "cuda"}, "backend must be"),
         (lambda a: {**a, "num_splits": 0}, "num_splits"),
+        (lambda a: {**a, "split_tiles": 0}, "split_tiles"),
     ],
 )
 def test_rejects_bad_arguments(change, match):

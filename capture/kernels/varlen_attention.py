@@ -19,7 +19,12 @@ one KV head as the M rows of `tl.dot` (so K/V tiles are read once per group and 
 key tiles `split, split + S, ...` up to the block's last position with an online softmax in
 float32, and masks each row at its own position. A block of length 0 is padding and returns at
 once. With S > 1 the splits write normalized partials and log-sum-exps (base 2) to a
-`VarlenWorkspace` and a second kernel merges them. S is a function of static shapes only.
+`VarlenWorkspace`, and the last of a (block, KV head)'s S programs to finish merges them: each
+program counts itself done on a per-(block, KV head) counter with an acquire-release atomic
+after its stores, and the one that sees S - 1 before it reads the partials (from L2, past the
+SM's L1, which other SMs' stores do not update) and resets the counter for the next call. So a
+split costs no second kernel (one graph node per layer fewer), and the counters are zero
+between calls. S is a function of static shapes only.
 
 Tokens that no q-block covers (padding tokens) are left untouched in `out`, by both backends.
 """
@@ -35,6 +40,7 @@ import triton.language as tl
 from graphrelay.capture.kernels.attention import (
     _LOG2E,
     BLOCK_N,
+    MIN_BLOCKS_PER_SPLIT,
     AttentionWorkspace,
     _check_cache_args,
     _check_max_len,
@@ -49,22 +55,26 @@ from graphrelay.capture.kernels.q_blocks import Q_BLOCK, check_q_block, max_q_bl
 PAGE = 16  # default page size of `identity_block_table`; the kernel takes any size from the table
 # Key rows the reference gathers at once (per K and V): bounds its memory whatever T is.
 _REFERENCE_KEY_ROWS = 1 << 16
+# The split count every bucket's grid has at least: a 512-key prompt chunk (8 tiles) walks 2
+# tiles a program instead of 8; measured in the H200 profile of a mixed iteration (255 decodes
+# + a 512-token chunk), whose unsplit chunk made the kernel 17.8 us a layer.
+LONG_BLOCK_SPLITS = 4
 
 
 @triton.jit
 def _varlen_split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, slot_ptr, pos_ptr, block_start_ptr, block_len_ptr,
-    out_ptr, part_ptr, lse_ptr,
+    out_ptr, part_ptr, lse_ptr, done_ptr,
     stride_qt, stride_qh, stride_kp, stride_kh, stride_vp, stride_vh, stride_table, stride_ot,
     num_slots, max_seq_len, qk_scale,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, Q_TOKENS: tl.constexpr, ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr, SINGLE: tl.constexpr,
-    PRECISION: tl.constexpr, NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+    SPLIT_TILES: tl.constexpr, PRECISION: tl.constexpr, NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
         # Every input (q, the cache, the q-blocks) comes from earlier kernels: wait for them
-        # first, then let the next kernel (the combine, or the O projection streaming its
-        # weights) start filling the GPU behind this one.
+        # first, then let the next kernel (the O projection streaming its weights) start
+        # filling the GPU behind this one; its own wait covers this grid's merges too.
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     block = tl.program_id(0)
@@ -93,6 +103,15 @@ def _varlen_split_kernel(
     pos = tl.load(pos_ptr + token, mask=row_ok, other=0).to(tl.int32)
     pos = tl.where(row_ok, tl.minimum(tl.maximum(pos, 0), max_seq_len - 1), -1)
     last = tl.max(pos, 0)
+    # The block's own split count: one split per SPLIT_TILES key tiles it walks, at most the
+    # grid's. A short block (a decode row early in its sequence) runs whole in split 0 and
+    # writes `out` itself; a long one (a prompt chunk deep in its prompt) spreads its walk.
+    if SINGLE:
+        used = 1
+    else:
+        used = tl.minimum((last + BLOCK * SPLIT_TILES) // (BLOCK * SPLIT_TILES), num_splits)
+    if split >= used:
+        return
     num_pages = num_slots * (max_seq_len // PAGE)
 
     # NATIVE_DOT (bf16/fp16 on a GPU): the tensor cores take the cache dtype with float32
@@ -110,7 +129,7 @@ def _varlen_split_kernel(
     m = tl.full([ROWS], float("-inf"), tl.float32)  # running max, log2 units
     l = tl.zeros([ROWS], tl.float32)  # running sum of exp2(score - m)
     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-    for start in range(split * BLOCK, last + 1, num_splits * BLOCK):
+    for start in range(split * BLOCK, last + 1, used * BLOCK):
         keys = start + tl.arange(0, BLOCK)
         key_ok = keys <= last
         page = tl.load(table_row + keys // PAGE, mask=key_ok, other=0).to(tl.int64)
@@ -141,7 +160,7 @@ def _varlen_split_kernel(
 
     seen = l > 0
     o = acc / tl.where(seen, l, 1.0)[:, None]
-    if SINGLE:
+    if used == 1:
         # Every real row sees key 0, so l > 0 on the rows stored.
         tl.store(out_ptr + token[:, None] * stride_ot + heads[:, None] * HEAD_DIM + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -149,45 +168,42 @@ def _varlen_split_kernel(
         # A split whose tiles all lie past a row's position saw nothing: a neutral partial
         # (lse -inf, zeros) that the merge weighs by exp2(-inf) = 0.
         lse = tl.where(seen, m + tl.log2(tl.where(seen, l, 1.0)), float("-inf"))
-        cell = (token * NUM_HEADS + heads) * num_splits + split  # into [T, h, S]
-        tl.store(part_ptr + cell[:, None] * HEAD_DIM + d[None, :], o, mask=row_ok[:, None])
-        tl.store(lse_ptr + cell, lse, mask=row_ok)
+        cell = (token * NUM_HEADS + heads) * num_splits  # split 0's cell in [T, h, S]
+        tl.store(part_ptr + (cell + split)[:, None] * HEAD_DIM + d[None, :], o, mask=row_ok[:, None])
+        tl.store(lse_ptr + cell + split, lse, mask=row_ok)
+        # Every thread's stores before the release; the last split sees them all after its acquire.
+        tl.debug_barrier()
+        done = done_ptr + block * NUM_HEADS + kv_head
+        if tl.atomic_add(done, 1, sem="acq_rel") == used - 1:
+            tl.debug_barrier()
+            tl.atomic_xchg(done, 0)
+            _merge_splits(part_ptr, lse_ptr, out_ptr, cell, token, heads, row_ok, stride_ot, used,
+                          HEAD_DIM, ROWS)
 
 
 @triton.jit
-def _varlen_combine_kernel(
-    block_start_ptr, block_len_ptr, part_ptr, lse_ptr, out_ptr, stride_ot, num_splits,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, Q_TOKENS: tl.constexpr, Q_ROWS: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    block = tl.program_id(0)
-    head = tl.program_id(1)
-    count = tl.minimum(tl.load(block_len_ptr + block).to(tl.int32), Q_TOKENS)
-    if count <= 0:
-        return
-    r = tl.arange(0, Q_ROWS)
-    ok = r < count
-    token = tl.load(block_start_ptr + block).to(tl.int64) + r
+def _merge_splits(part_ptr, lse_ptr, out_ptr, cell, token, heads, row_ok, stride_ot, used,
+                  HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+    """The rows' `used` partials merged by their log-sum-exps into `out`. Loads bypass L1
+    (".cg"): the partials were stored by other SMs."""
     d = tl.arange(0, HEAD_DIM)
-    cell = (token * NUM_HEADS + head) * num_splits  # split 0 of each token
     # Split 0 holds key 0, which every row sees: its finite lse anchors the running merge.
-    m = tl.load(lse_ptr + cell, mask=ok, other=0.0)
-    weight = tl.full([Q_ROWS], 1.0, tl.float32)
-    acc = tl.load(part_ptr + cell[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
-    for split in range(1, num_splits):
-        lse = tl.load(lse_ptr + cell + split, mask=ok, other=float("-inf"))
+    m = tl.load(lse_ptr + cell, mask=row_ok, other=0.0, cache_modifier=".cg")
+    weight = tl.full([ROWS], 1.0, tl.float32)
+    acc = tl.load(part_ptr + cell[:, None] * HEAD_DIM + d[None, :], mask=row_ok[:, None], other=0.0,
+                  cache_modifier=".cg")
+    for other in range(1, used):
+        lse = tl.load(lse_ptr + cell + other, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
         m_new = tl.maximum(m, lse)
         alpha = tl.exp2(m - m_new)
         beta = tl.exp2(lse - m_new)
-        part = tl.load(part_ptr + (cell + split)[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
+        part = tl.load(part_ptr + (cell + other)[:, None] * HEAD_DIM + d[None, :], mask=row_ok[:, None], other=0.0,
+                       cache_modifier=".cg")
         acc = acc * alpha[:, None] + beta[:, None] * part
         weight = weight * alpha + beta
         m = m_new
-    tl.store(out_ptr + token[:, None] * stride_ot + head * HEAD_DIM + d[None, :],
-             (acc / weight[:, None]).to(out_ptr.dtype.element_ty), mask=ok[:, None])
+    tl.store(out_ptr + token[:, None] * stride_ot + heads[:, None] * HEAD_DIM + d[None, :],
+             (acc / weight[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -205,9 +221,13 @@ def identity_block_table(num_slots: int, max_seq_len: int, page: int = PAGE,
 
 
 def pick_varlen_splits(num_blocks: int, kv_heads: int, max_len: int, sm_count: int) -> int:
-    """Splits per q-block: the decode heuristic over q-blocks instead of rows, so only
-    buckets with few blocks (decode-sized) split. Static shapes only."""
-    return pick_num_splits(num_blocks, kv_heads, max_len, sm_count)
+    """Splits in the grid per q-block: the decode heuristic over q-blocks (enough programs to
+    fill the SMs when blocks are few), and at least LONG_BLOCK_SPLITS where `max_len` allows,
+    so that in a big bucket a long block (a prompt chunk deep in its prompt, beside many
+    decode rows) does not walk its keys alone while the rest of the GPU idles. Each block uses
+    only the splits its own walk needs (the kernel). Static shapes only."""
+    cap = -(-max_len // BLOCK_N) // MIN_BLOCKS_PER_SPLIT
+    return max(pick_num_splits(num_blocks, kv_heads, max_len, sm_count), min(LONG_BLOCK_SPLITS, cap))
 
 
 class VarlenWorkspace(AttentionWorkspace):
@@ -217,13 +237,16 @@ class VarlenWorkspace(AttentionWorkspace):
     the flat buffers; the workspace holds `max_tokens * max_splits` of them and at most
     `max_splits` splits. Splits happen only for buckets with few q-blocks, so size it with
     `for_buckets`, which takes the largest `T * S` the picker asks over the engine's buckets.
-    Memory: `max_tokens * max_splits * heads * (head_dim + 1) * 4` bytes.
+    Memory: `max_tokens * max_splits * heads * (head_dim + 2) * 4` bytes (partials, lse, counters).
     """
 
     def __init__(self, max_tokens: int, heads: int, head_dim: int, max_splits: int,
                  device: torch.device | str) -> None:
         super().__init__(max_tokens, heads, head_dim, max_splits, device)
         self.capacity = max_tokens * max_splits
+        # Splits done per (q-block, KV head), at block * heads + KV head (a call has at most
+        # T <= capacity blocks); zero between calls: the merging program resets its counter.
+        self.done = torch.zeros(self.capacity * heads, dtype=torch.int32, device=device)
 
     @classmethod
     def for_buckets(cls, buckets: Iterable[tuple[int, int]], heads: int, kv_heads: int, head_dim: int,
@@ -339,7 +362,7 @@ def varlen_attention_reference(
 
 
 def _launch_triton(q, k_cache, v_cache, block_table, token_slot, token_pos, q_block_start,
-                   q_block_len, scale, out, workspace, num_splits, q_block):
+                   q_block_len, scale, out, workspace, num_splits, q_block, split_tiles):
     num_tokens, heads, head_dim = q.shape
     num_slots, max_seq_len, kv_heads = k_cache.shape[:3]
     group = heads // kv_heads
@@ -359,30 +382,26 @@ def _launch_triton(q, k_cache, v_cache, block_table, token_slot, token_pos, q_bl
         elif workspace.partial.device != q.device:
             raise ValueError(f"workspace is on {workspace.partial.device}, q on {q.device}")
         partial, lse = workspace.views(num_tokens, heads, head_dim, num_splits)
+        done = workspace.done
     else:
-        partial = lse = out  # unused by the single-split kernel
+        partial = lse = done = out  # unused by the single-split kernel
     # Programmatic dependent launch where the GPU has it (capture.kernels.pdl): the launch of
     # each kernel overlaps the tail of the one before.
     pdl = pdl_supported(q.device)
     launch = {"launch_pdl": True} if pdl else {}
     _varlen_split_kernel[(num_blocks, kv_heads, num_splits)](
         q, k_cache, v_cache, block_table, token_slot, token_pos, q_block_start, q_block_len,
-        out, partial, lse,
+        out, partial, lse, done,
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0), out.stride(0), num_slots, max_seq_len, scale * _LOG2E,
         NUM_HEADS=heads, GROUP=group, Q_TOKENS=q_block, ROWS=max(16, triton.next_power_of_2(q_block * group)),
         HEAD_DIM=head_dim,
         BLOCK=BLOCK_N, PAGE=max_seq_len // block_table.shape[1], SINGLE=num_splits == 1,
+        SPLIT_TILES=split_tiles,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NATIVE_DOT=q.is_cuda and q.dtype != torch.float32, USE_PDL=pdl,
         num_warps=4, num_stages=2, **launch,
     )
-    if num_splits > 1:
-        _varlen_combine_kernel[(num_blocks, heads)](
-            q_block_start, q_block_len, partial, lse, out, out.stride(0), num_splits,
-            NUM_HEADS=heads, HEAD_DIM=head_dim, Q_TOKENS=q_block, Q_ROWS=triton.next_power_of_2(q_block),
-            USE_PDL=pdl, num_warps=2, **launch,
-        )
     return out
 
 
@@ -392,6 +411,7 @@ def varlen_attention(
     q_block_len: torch.Tensor, *, scale: float, out: torch.Tensor,
     workspace: VarlenWorkspace | None = None, num_splits: int | None = None,
     max_len: int | None = None, q_block: int = Q_BLOCK, backend: str | None = None,
+    split_tiles: int = MIN_BLOCKS_PER_SPLIT,
 ) -> torch.Tensor:
     """Attention of a flat batch of T query tokens over the paged slot cache; capturable.
 
@@ -406,6 +426,8 @@ def varlen_attention(
     reference gathers that many keys, the kernel sizes its split count by it.
     workspace: split scratch, allocated per call when missing (so pass one under capture); it
     caps the automatic split count to what it holds. num_splits: override the heuristic (tests).
+    split_tiles: key tiles (of BLOCK_N keys) per split: a q-block walking t tiles uses
+    min(ceil(t / split_tiles), num_splits) of its splits (tests lower it to split short blocks).
     """
     backend = backend or ("triton" if q.is_cuda else "torch")
     if backend == "torch":
@@ -423,5 +445,7 @@ def varlen_attention(
             num_splits = workspace.splits_that_fit(q.shape[0], num_splits)
     elif not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    if not isinstance(split_tiles, int) or isinstance(split_tiles, bool) or split_tiles < 1:
+        raise ValueError(f"split_tiles must be a positive int, got {split_tiles!r}")
     return _launch_triton(q, k_cache, v_cache, block_table, token_slot, token_pos, q_block_start,
-                          q_block_len, scale, out, workspace, num_splits, q_block)
+                          q_block_len, scale, out, workspace, num_splits, q_block, split_tiles)
