@@ -160,10 +160,12 @@ def _varlen_split_kernel(
 
     seen = l > 0
     o = acc / tl.where(seen, l, 1.0)[:, None]
-    if used == 1:
-        # Every real row sees key 0, so l > 0 on the rows stored.
-        tl.store(out_ptr + token[:, None] * stride_ot + heads[:, None] * HEAD_DIM + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    out_at = out_ptr + token[:, None] * stride_ot + heads[:, None] * HEAD_DIM + d[None, :]
+    # Every real row sees key 0, so l > 0 on the rows stored directly.
+    if SINGLE:  # static: no workspace, no counters to compile against
+        tl.store(out_at, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    elif used == 1:
+        tl.store(out_at, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
         # A split whose tiles all lie past a row's position saw nothing: a neutral partial
         # (lse -inf, zeros) that the merge weighs by exp2(-inf) = 0.
