@@ -246,10 +246,8 @@ def test_small_buckets_split_to_fill_the_gpu_and_every_bucket_can_split_a_long_b
     counts = [pick_varlen_splits(n, 3, 2048, 132) for n in blocks]
     assert counts == sorted(counts, reverse=True)
     assert counts[0] > LONG_BLOCK_SPLITS and counts[-2:] == [LONG_BLOCK_SPLITS] * 2
-    # Too few keys for two tiles a split: no split. Decode-only buckets (a token a block) split
-    # only to fill the GPU.
+    # Too few keys for two tiles a split: no split.
     assert pick_varlen_splits(blocks[-1], 3, 64, 132) == 1
-    assert pick_varlen_splits(256, 3, 2048, 132, q_block=1) == 1 < pick_varlen_splits(16, 3, 2048, 132, q_block=1)
 
 
 def test_workspace_for_buckets_fits_every_bucket():

@@ -222,18 +222,14 @@ def identity_block_table(num_slots: int, max_seq_len: int, page: int = PAGE,
     return torch.arange(num_slots * pages_per_slot, dtype=torch.int32, device=device).view(num_slots, pages_per_slot)
 
 
-def pick_varlen_splits(num_blocks: int, kv_heads: int, max_len: int, sm_count: int, q_block: int = Q_BLOCK) -> int:
+def pick_varlen_splits(num_blocks: int, kv_heads: int, max_len: int, sm_count: int) -> int:
     """Splits in the grid per q-block: the decode heuristic over q-blocks (enough programs to
-    fill the SMs when blocks are few) and, in buckets whose blocks hold prompt tokens
-    (q_block > 1), at least LONG_BLOCK_SPLITS where `max_len` allows, so that a long block (a
-    prompt chunk deep in its prompt, beside many decode rows) does not walk its keys alone
-    while the rest of the GPU idles. Each block uses only the splits its own walk needs (the
-    kernel); a decode-only bucket's blocks are alike, so the fill heuristic alone serves it
-    (no programs that would only return). Static shapes only."""
-    fill = pick_num_splits(num_blocks, kv_heads, max_len, sm_count)
-    if q_block == 1:
-        return fill
-    return max(fill, min(LONG_BLOCK_SPLITS, -(-max_len // BLOCK_N) // MIN_BLOCKS_PER_SPLIT))
+    fill the SMs when blocks are few), and at least LONG_BLOCK_SPLITS where `max_len` allows,
+    so that in a big bucket a long block (a prompt chunk deep in its prompt, beside many
+    decode rows) does not walk its keys alone while the rest of the GPU idles. Each block uses
+    only the splits its own walk needs (the kernel). Static shapes only."""
+    cap = -(-max_len // BLOCK_N) // MIN_BLOCKS_PER_SPLIT
+    return max(pick_num_splits(num_blocks, kv_heads, max_len, sm_count), min(LONG_BLOCK_SPLITS, cap))
 
 
 class VarlenWorkspace(AttentionWorkspace):
@@ -446,8 +442,7 @@ def varlen_attention(
                                 q_block_start, q_block_len, out, max_len)
     check_q_block(q_block)
     if num_splits is None:
-        num_splits = pick_varlen_splits(q_block_start.shape[0], k_cache.shape[2], length, _sm_count(q.device),
-                                        q_block)
+        num_splits = pick_varlen_splits(q_block_start.shape[0], k_cache.shape[2], length, _sm_count(q.device))
         if workspace is not None:
             num_splits = workspace.splits_that_fit(q.shape[0], num_splits)
     elif not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
