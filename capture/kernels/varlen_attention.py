@@ -55,10 +55,6 @@ from graphrelay.capture.kernels.q_blocks import Q_BLOCK, check_q_block, max_q_bl
 PAGE = 16  # default page size of `identity_block_table`; the kernel takes any size from the table
 # Key rows the reference gathers at once (per K and V): bounds its memory whatever T is.
 _REFERENCE_KEY_ROWS = 1 << 16
-# The split count every bucket's grid has at least: a 512-key prompt chunk (8 tiles) walks 2
-# tiles a program instead of 8; measured in the H200 profile of a mixed iteration (255 decodes
-# + a 512-token chunk), whose unsplit chunk made the kernel 17.8 us a layer.
-LONG_BLOCK_SPLITS = 4
 
 
 @triton.jit
@@ -223,13 +219,12 @@ def identity_block_table(num_slots: int, max_seq_len: int, page: int = PAGE,
 
 
 def pick_varlen_splits(num_blocks: int, kv_heads: int, max_len: int, sm_count: int) -> int:
-    """Splits in the grid per q-block: the decode heuristic over q-blocks (enough programs to
-    fill the SMs when blocks are few), and at least LONG_BLOCK_SPLITS where `max_len` allows,
-    so that in a big bucket a long block (a prompt chunk deep in its prompt, beside many
-    decode rows) does not walk its keys alone while the rest of the GPU idles. Each block uses
-    only the splits its own walk needs (the kernel). Static shapes only."""
-    cap = -(-max_len // BLOCK_N) // MIN_BLOCKS_PER_SPLIT
-    return max(pick_num_splits(num_blocks, kv_heads, max_len, sm_count), min(LONG_BLOCK_SPLITS, cap))
+    """Splits in the grid per q-block: the decode heuristic over q-blocks instead of rows, so
+    only buckets with few blocks split (each block then uses only the splits its own key walk
+    needs: the kernel). A floor of 4 splits for every bucket was measured on the H200 and
+    dropped: a 1 x 2048 prompt 9% faster, but 255 decodes + a 512-token chunk 7% slower.
+    Static shapes only."""
+    return pick_num_splits(num_blocks, kv_heads, max_len, sm_count)
 
 
 class VarlenWorkspace(AttentionWorkspace):
