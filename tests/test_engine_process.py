@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from graphrelay.capture.iteration.controls.logprobs import TokenLogprobs
-from graphrelay.capture.serving import engine_process as ep
+from graphrelay.capture.serving import engine_messages as em
 from graphrelay.capture.iteration.controls.params import ControlParams
 from graphrelay.capture.serving.loop import RequestOutput
 from graphrelay.capture.serving.workloads import Request
@@ -24,13 +24,14 @@ START_TIMEOUT_S = 300
 def test_results_cross_the_pipe_intact():
     logprobs = [TokenLogprobs(-0.5, [(3, -0.5), (9, -1.25)]), TokenLogprobs(-2.0, [(4, -2.0)])]
     output = RequestOutput("r1", [3, 4], "stop", ttft_ms=1.5, text="ab", logprobs=logprobs)
-    message = ep.Results([ep.Tokens("r1", [3, 4], logprobs), ep.Tokens("r2", [7], None), ep.Finish(output)],
+    message = em.Results([em.Tokens("r1", [3, 4], logprobs), em.Tokens("r2", [7], None), em.Finish(output)],
+                         ["r3"], [em.Rejection("r4", "logit_bias: too many")],
                          {"slots": 2, "free_slots": 1, "running": 1, "retiring": 0, "waiting": 0}, 1 << 20)
-    assert ep._to_parent.decode(ep._encode(message)) == message
+    assert em.decode_to_server(em.encode(message)) == message
     request = Request(id="r9", prompt=[1, 2], max_new_tokens=4, stop=("x",),
                       controls=ControlParams(logit_bias={5: 1.5}, logprobs=2))
-    for sent in (ep.Submit(request), ep.Abort("r9"), ep.Close()):
-        assert ep._to_child.decode(ep._encode(sent)) == sent
+    for sent in (em.Submit(request), em.Abort("r9"), em.Close()):
+        assert em.decode_to_engine(em.encode(sent)) == sent
 
 
 def _children(pid: int) -> list[int]:

@@ -172,6 +172,10 @@ class EngineHandle:
 
     def _post(self, request_id: str, event: Event) -> None:
         self._batch.append((request_id, event))
+        self._schedule_delivery()
+
+    def _schedule_delivery(self) -> None:
+        """From the engine's thread: one `_deliver` queued on the event loop per batch."""
         if not self._wake_scheduled:
             self._wake_scheduled = True
             self._events.call_soon_threadsafe(self._deliver)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import signal
 import time
 from typing import AsyncIterator, Callable, NamedTuple, Optional
@@ -337,12 +338,22 @@ async def _disconnected(http: HttpRequest) -> None:
         pass
 
 
+def _event_loop_and_parser() -> tuple[str, str]:
+    """uvloop and httptools when installed (the `serve` extra brings both): the stdlib loop and
+    h11's pure-Python parser cost the HTTP process several times more CPU per request and per
+    streamed chunk, and that process's one core is what bounds the server's throughput."""
+    def have(module: str) -> bool:
+        return importlib.util.find_spec(module) is not None
+    return ("uvloop" if have("uvloop") else "asyncio"), ("httptools" if have("httptools") else "h11")
+
+
 def run_server(worker: EngineHandle, codec: TextCodec, options: ServerOptions, say: Callable[[str], None]) -> int:
     """Serve until SIGINT or SIGTERM; returns 0 after a clean shutdown. The worker's engine
     must be captured already, and is used from the engine side only from now on."""
     server = OpenAIServer(worker, codec, options)
+    loop, http = _event_loop_and_parser()
     config = uvicorn.Config(server.app, host=options.host, port=options.port, log_level="warning", access_log=False,
-                            lifespan="on", timeout_graceful_shutdown=options.shutdown_grace_s)
+                            lifespan="on", timeout_graceful_shutdown=options.shutdown_grace_s, loop=loop, http=http)
     uvicorn_server = uvicorn.Server(config)
     # A failed engine stops the server (uvicorn polls the flag): /health's 503 alone would keep
     # a dead server listening, its clients and its supervisor none the wiser.
@@ -352,7 +363,7 @@ def run_server(worker: EngineHandle, codec: TextCodec, options: ServerOptions, s
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     say(f"graphrelay serve: {options.model_name} on http://{options.host}:{options.port}/v1 "
-        f"({worker.info.max_reqs} slots, {options.max_waiting} waiting at most)")
+        f"({worker.info.max_reqs} slots, {options.max_waiting} waiting at most; {loop} event loop, {http} HTTP parser)")
     uvicorn_server.run()
     if server.worker.failure is not None:
         say(f"graphrelay serve: the engine failed: {server.worker.failure!r}")
