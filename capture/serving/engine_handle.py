@@ -5,8 +5,9 @@ Requests go in with `submit` / `abort` (never blocking the event loop). Results 
 batches: the engine side `_post`s them (from any thread) into a deque, and one
 `call_soon_threadsafe` per batch, not per token, fans them out to each request's
 `asyncio.Queue`. Admission is bounded here: at most `slots + max_waiting` requests are
-outstanding (submitted and not yet reported finished); past that `submit` refuses and the
-server answers 429, so a burst never grows memory without bound.
+outstanding (submitted and not yet reported finished; with N API server processes, each
+holds 1/N of that); past that `submit` refuses and the server answers 429, so a burst never
+grows memory without bound.
 """
 
 from __future__ import annotations
@@ -73,11 +74,12 @@ class EngineHandle:
     """The asyncio side's bookkeeping: per-request queues, bounded admission, batched delivery.
     Subclasses run the engine and call `on_tokens` / `on_finish` / `_fail` as results arrive."""
 
-    def __init__(self, info: EngineInfo, max_waiting: int):
+    def __init__(self, info: EngineInfo, max_waiting: int, servers: int = 1):
         if max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
         self.info = info
-        self.capacity = info.max_reqs + max_waiting
+        # With several API server processes each holds its share of the bound.
+        self.capacity = -(-(info.max_reqs + max_waiting) // servers)
         self.failure: Optional[BaseException] = None
         self.stats: Optional[LoopStats] = None  # the loop's measurements, once it has returned
         # Called once, from the engine side, when it fails: the server stops (run_server exits

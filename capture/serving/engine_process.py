@@ -41,51 +41,55 @@ START_TIMEOUT_S = 3600.0  # loading and capturing a large model on a busy machin
 
 # ---- the child -------------------------------------------------------------------------------
 
-def child_main(build: Callable[[], ServingLoop], requests: Connection, results: Connection) -> None:
-    """The engine process's entry point (`multiprocessing`, spawn). The two connections are
-    only carriers of their pipes' descriptors, which the frames read and write directly."""
+def child_main(build: Callable[[], ServingLoop], pipes: list[tuple[Connection, Connection]]) -> None:
+    """The engine process's entry point (`multiprocessing`, spawn): one (requests, results)
+    pair of connections per API server. The connections only carry their pipes' descriptors,
+    which the frames read and write directly."""
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)  # the parent decides when to stop (Close)
-    writer = FrameWriter(results.fileno())
+        signal.signal(sig, signal.SIG_IGN)  # the servers decide when to stop (Close)
+    writers = [FrameWriter(results.fileno()) for _, results in pipes]
+
+    def tell_all(message) -> None:
+        for writer in writers:
+            try:
+                writer.send(encode(message))
+            except OSError:  # that server is gone already
+                pass
     try:
         loop = build()
-        writer.send(encode(Ready(EngineInfo.of(loop.engine))))
-        channel = EngineChannel(requests.fileno(), results.fileno(), loop)
+        tell_all(Ready(EngineInfo.of(loop.engine)))
+        channel = EngineChannel([(requests.fileno(), results.fileno()) for requests, results in pipes], loop)
         stats = loop.serve(channel, channel)
         channel.ship(force=True)
         channel.send(Finished(stats))
         channel.close()
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails its requests
+    except BaseException as exc:  # noqa: BLE001 - reported to the servers, which fail their requests
         traceback.print_exc()
-        try:
-            writer.send(encode(Failed(f"{type(exc).__name__}: {exc}")))
-        except OSError:
-            pass
+        tell_all(Failed(f"{type(exc).__name__}: {exc}"))
         raise SystemExit(1) from None
 
 
 # ---- the parent ------------------------------------------------------------------------------
 
-class EngineProcess(EngineHandle):
-    """The HTTP process's handle on an engine process; constructing it starts the engine and
-    waits until it is captured and ready."""
+# An API server's two pipe ends: requests (write), results (read). Picklable: a spawned API
+# server process takes its pair with it.
+ServerPipes = tuple[Connection, Connection]
 
-    def __init__(self, build: Callable[[], ServingLoop], max_waiting: int, *, start_timeout_s: float = START_TIMEOUT_S):
-        context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
-        child_requests, self._requests_end = context.Pipe(duplex=False)
-        self._results_end, child_results = context.Pipe(duplex=False)
-        widen(self._results_end.fileno())
-        self._process = context.Process(target=child_main, args=(build, child_requests, child_results),
-                                        name="graphrelay-engine", daemon=True)
-        self._process.start()
-        child_requests.close()
-        child_results.close()
-        self._reader = FrameReader(self._results_end.fileno())
+
+class EngineLink(EngineHandle):
+    """One API server process's handle on the engine process, over its own pair of pipes;
+    constructing it waits until the engine is captured and ready."""
+
+    def __init__(self, pipes: ServerPipes, max_waiting: int, *, servers: int = 1,
+                 start_timeout_s: float = START_TIMEOUT_S):
+        self._pipes = pipes  # the connections own the descriptors: kept for as long as they are used
+        requests, results = pipes
+        self._reader = FrameReader(results.fileno())
         first = self._first_message(start_timeout_s)
         if not isinstance(first, Ready):
-            self._process.join(10)
             raise RuntimeError(f"the engine process failed to start: {getattr(first, 'message', first)}")
-        super().__init__(first.info, max_waiting)
+        super().__init__(first.info, max_waiting, servers)
+        self._requests_fd = requests.fileno()
         self._writer: Optional[FrameWriter] = None  # on the event loop, from `start`
         self._occupancy: dict = {"slots": first.info.max_reqs, "free_slots": first.info.max_reqs, "running": 0,
                                  "retiring": 0, "waiting": 0}
@@ -100,20 +104,21 @@ class EngineProcess(EngineHandle):
             if frames:
                 return decode_to_server(frames[0])
             if self._reader.closed:
-                self._process.join(5)
-                return Failed(f"the engine process exited with status {self._process.exitcode}")
+                return Failed(f"the engine process exited{self._exit_status()}")
             left = deadline - time.monotonic()
             if left <= 0:
-                self._process.kill()
-                raise RuntimeError(f"the engine process did not come up in {timeout_s} s")
+                raise TimeoutError(f"the engine process did not come up in {timeout_s} s")
             select.select([self._reader.fd], [], [], left)
+
+    def _exit_status(self) -> str:
+        return ""  # only the process that started the engine can tell
 
     # ---- asyncio side -----------------------------------------------------------------------
 
     def start(self) -> None:
         self._bind()
         self._finished_run = asyncio.Event()
-        self._writer = FrameWriter(self._requests_end.fileno(), self._events)
+        self._writer = FrameWriter(self._requests_fd, self._events)
         self._events.add_reader(self._reader.fd, self._read)
 
     def submit(self, request: Request) -> asyncio.Queue:
@@ -134,18 +139,19 @@ class EngineProcess(EngineHandle):
         return queue
 
     def abort(self, request_id: str) -> None:
-        if self._process.is_alive() and not self._writer.broken:
+        if self.running() and not self._writer.broken:
             self._writer.send(encode(Abort(request_id)))
 
     async def stop(self) -> None:
-        """Admit nothing more, let the engine finish what it holds, wait for the process."""
-        if self._process.is_alive() and not self._writer.broken:
+        """Admit nothing more from here; the engine finishes what it holds once every API
+        server has stopped."""
+        if self.running() and not self._writer.broken:
             self._writer.send(encode(Close()))
         await self._finished_run.wait()
-        await asyncio.to_thread(self._process.join)
 
     def running(self) -> bool:
-        return self._process.is_alive() and not (self._finished_run is not None and self._finished_run.is_set())
+        return self.failure is None and not self._reader.closed and not (
+            self._finished_run is not None and self._finished_run.is_set())
 
     def occupancy(self) -> dict:
         return {**self._occupancy, "engine_rss_bytes": self._engine_rss}
@@ -180,8 +186,7 @@ class EngineProcess(EngineHandle):
                 else:
                     raise RuntimeError(f"the engine process failed: {message.message}")
             if self._reader.closed:
-                self._process.join(5)
-                raise RuntimeError(f"the engine process exited (status {self._process.exitcode})")
+                raise RuntimeError(f"the engine process exited{self._exit_status()}")
         except BaseException as exc:  # noqa: BLE001 - the child died, or reported its failure
             self._stop_reading()
             self._fail_admissions(exc)
@@ -211,3 +216,42 @@ class EngineProcess(EngineHandle):
         for future in self._admissions.values():
             if not future.done():
                 future.set_exception(EngineStopped(f"the engine failed: {exc}"))
+
+
+class EngineProcess(EngineLink):
+    """Starts the engine process with a pair of pipes for each of `servers` API server
+    processes, and is the first one's link; `spare_pipes` are the others', for their processes."""
+
+    def __init__(self, build: Callable[[], ServingLoop], max_waiting: int, *, servers: int = 1,
+                 start_timeout_s: float = START_TIMEOUT_S):
+        context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+        engine_ends, server_ends = [], []
+        for _ in range(servers):
+            engine_requests, server_requests = context.Pipe(duplex=False)
+            server_results, engine_results = context.Pipe(duplex=False)
+            widen(server_results.fileno())
+            engine_ends.append((engine_requests, engine_results))
+            server_ends.append((server_requests, server_results))
+        self._process = context.Process(target=child_main, args=(build, engine_ends), name="graphrelay-engine",
+                                        daemon=True)
+        self._process.start()
+        for ends in engine_ends:  # only the engine holds these now: a pipe ends when its one holder goes
+            for end in ends:
+                end.close()
+        self.spare_pipes: list[ServerPipes] = server_ends[1:]
+        try:
+            super().__init__(server_ends[0], max_waiting, servers=servers, start_timeout_s=start_timeout_s)
+        except TimeoutError:
+            self._process.kill()
+            raise RuntimeError(f"the engine process did not come up in {start_timeout_s} s") from None
+        except RuntimeError:
+            self._process.join(10)
+            raise
+
+    def _exit_status(self) -> str:
+        self._process.join(5)
+        return f" (status {self._process.exitcode})"
+
+    async def stop(self) -> None:
+        await super().stop()
+        await asyncio.to_thread(self._process.join)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import os
 import signal
 import time
 from typing import AsyncIterator, Callable, NamedTuple, Optional
@@ -57,6 +58,7 @@ class ServerOptions(msgspec.Struct, frozen=True):
     max_waiting: int = 1024  # requests queued beyond the slots before 429
     max_body_bytes: int = 1 << 20
     shutdown_grace_s: float = 30.0
+    api_servers: int = 1  # processes serving this port (`api_servers`)
 
 
 def _json(payload, status: int = 200, headers: Optional[dict] = None) -> Response:
@@ -88,8 +90,9 @@ class Completion:
 class OpenAIServer:
     """The app's handlers; `app` is the ASGI application."""
 
-    def __init__(self, worker: EngineHandle, codec: TextCodec, options: ServerOptions):
+    def __init__(self, worker: EngineHandle, codec: TextCodec, options: ServerOptions, index: int = 0):
         info = worker.info
+        self.index = index  # which of the API server processes this is
         self.codec = codec
         self.options = options
         self.limits = Limits(options.model_name, info.model.max_seq_len, info.model.vocab_size, info.max_top_k,
@@ -129,7 +132,10 @@ class OpenAIServer:
         }]})
 
     async def health(self, http: HttpRequest) -> Response:
-        state = self.worker.health()
+        # With several API servers, `outstanding`, `capacity`, `finished` and `rss_bytes` are
+        # this process's (the one the connection reached); the slot counts are the engine's.
+        state = {**self.worker.health(), "api_server": self.index, "api_servers": self.options.api_servers,
+                 "pid": os.getpid()}
         return _json(state, 200 if state["engine"] == "running" else 503)
 
     async def _http_error(self, http: HttpRequest, exc: HTTPException) -> Response:
@@ -347,14 +353,40 @@ def _event_loop_and_parser() -> tuple[str, str]:
     return ("uvloop" if have("uvloop") else "asyncio"), ("httptools" if have("httptools") else "h11")
 
 
-def run_server(worker: EngineHandle, codec: TextCodec, options: ServerOptions, say: Callable[[str], None]) -> int:
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server, which also stops its `peers` (the other API server processes) when it
+    is told to stop, and stops when one of them fails."""
+
+    def __init__(self, config: uvicorn.Config, peers):
+        super().__init__(config)
+        self.peers = peers
+        self.peer_failure: Optional[str] = None
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.peers is not None:
+            self.peers.stop()
+        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.peers is not None and self.peer_failure is None:
+            self.peer_failure = self.peers.failure()
+            if self.peer_failure is not None:
+                self.peers.stop()
+                return True
+        return await super().on_tick(counter)
+
+
+def run_server(worker: EngineHandle, codec: TextCodec, options: ServerOptions, say: Callable[[str], None], *,
+               sockets: Optional[list] = None, peers=None, index: int = 0) -> int:
     """Serve until SIGINT or SIGTERM; returns 0 after a clean shutdown. The worker's engine
-    must be captured already, and is used from the engine side only from now on."""
-    server = OpenAIServer(worker, codec, options)
+    must be captured already, and is used from the engine side only from now on. `sockets`:
+    listen on these instead of binding (options.host, options.port); `peers`: the other API
+    server processes' supervision (`api_servers.Peers`), `index`: this one's number."""
+    server = OpenAIServer(worker, codec, options, index)
     loop, http = _event_loop_and_parser()
     config = uvicorn.Config(server.app, host=options.host, port=options.port, log_level="warning", access_log=False,
                             lifespan="on", timeout_graceful_shutdown=options.shutdown_grace_s, loop=loop, http=http)
-    uvicorn_server = uvicorn.Server(config)
+    uvicorn_server = _Uvicorn(config, peers)
     # A failed engine stops the server (uvicorn polls the flag): /health's 503 alone would keep
     # a dead server listening, its clients and its supervisor none the wiser.
     server.worker.on_failure = lambda: setattr(uvicorn_server, "should_exit", True)
@@ -362,11 +394,17 @@ def run_server(worker: EngineHandle, codec: TextCodec, options: ServerOptions, s
     # requested shutdown ends with exit status 0 instead of the signal's default death.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
+    servers = "" if options.api_servers == 1 else f", {options.api_servers} API server processes"
     say(f"graphrelay serve: {options.model_name} on http://{options.host}:{options.port}/v1 "
-        f"({worker.info.max_reqs} slots, {options.max_waiting} waiting at most; {loop} event loop, {http} HTTP parser)")
-    uvicorn_server.run()
+        f"({worker.info.max_reqs} slots, {options.max_waiting} waiting at most{servers}; {loop} event loop, "
+        f"{http} HTTP parser)")
+    uvicorn_server.run(sockets=sockets)
+    statuses = [] if peers is None else peers.join()
     if server.worker.failure is not None:
         say(f"graphrelay serve: the engine failed: {server.worker.failure!r}")
+        return 1
+    if uvicorn_server.peer_failure is not None or any(statuses):
+        say(f"graphrelay serve: {uvicorn_server.peer_failure or f'an API server process exited with {statuses}'}")
         return 1
     if not uvicorn_server.started:
         return 1  # uvicorn said why (the port is taken, say)

@@ -1,0 +1,88 @@
+"""`graphrelay serve --port P --api-servers 2`: two API server processes on one port over one
+engine process. Connections reach both; every answer is the same as one server's (greedy text
+and exact usage, streamed or not); SIGTERM to the first process stops both with exit status
+0; a second server that dies stops the first with status 1; and the flag refuses what it
+cannot do before any model loads."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import httpx
+import openai
+import pytest
+
+from graphrelay.capture.serving.cli import serve_main
+from http_cases import health, start_server, stop_server
+
+MODEL = "tiny"
+START_TIMEOUT_S = 300
+FRESH_CONNECTIONS = 24  # each one new: both servers answer some unless the port's spread is broken (2^-23)
+ARGS = ["--api-servers", "2", "--model", MODEL, "--weights", "random", "--tokenizer", "--device", "cpu",
+        "--max-reqs", "4", "--max-batch", "4", "--max-waiting", "4", "--max-seq-len", "256", "--no-controls"]
+
+
+def _pids(server) -> dict[int, int]:
+    """API server index -> its process id, as /health tells over fresh connections."""
+    found = {}
+    for _ in range(FRESH_CONNECTIONS):
+        state = httpx.get(f"{server.url}/health", timeout=30).json()
+        found[state["api_server"]] = state["pid"]
+    return found
+
+
+@pytest.fixture(scope="module")
+def server():
+    process = start_server(ARGS, START_TIMEOUT_S)
+    yield process
+    stop_server(process)
+
+
+def test_fresh_connections_reach_both_servers(server):
+    pids = _pids(server)
+    assert sorted(pids) == [0, 1] and pids[0] == server.pid and pids[1] != server.pid
+    state = health(server)
+    assert state["api_servers"] == 2 and state["capacity"] == 4  # its half of slots + waiting
+
+
+def test_every_server_gives_the_same_greedy_answer_streamed_or_not(server):
+    body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0}
+    answers = []
+    for _ in range(8):  # a fresh connection each: both servers answer some
+        answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json()
+        answers.append((answer["choices"][0]["text"], answer["usage"]["completion_tokens"]))
+    assert len(set(answers)) == 1 and answers[0][1] == 12
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **body) if c.choices)
+    assert streamed == answers[0][0]
+
+
+def test_sigterm_to_the_first_stops_every_server_with_status_0():
+    server = start_server(ARGS, START_TIMEOUT_S)
+    try:
+        other = _pids(server)[1]
+        assert httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3},
+                          timeout=120).status_code == 200
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=120) == 0, server.stdout.read().decode()
+        assert not os.path.exists(f"/proc/{other}"), "the second API server outlived the first"
+    finally:
+        stop_server(server)
+
+
+def test_a_second_server_that_dies_stops_the_first_with_status_1():
+    server = start_server(ARGS, START_TIMEOUT_S)
+    try:
+        os.kill(_pids(server)[1], signal.SIGKILL)
+        assert server.wait(timeout=120) == 1, server.stdout.read().decode()
+    finally:
+        stop_server(server)
+
+
+def test_api_servers_refuse_what_they_cannot_do(capsys):
+    tiny = ["--model", "tiny", "--weights", "random", "--tokenizer", "--device", "cpu", "--quiet", "--port", "0"]
+    assert serve_main([*tiny, "--api-servers", "0"]) == 2
+    assert "--api-servers must be at least 1" in capsys.readouterr().err
+    assert serve_main([*tiny, "--api-servers", "2", "--engine-placement", "thread"]) == 2
+    assert "drop --engine-placement thread" in capsys.readouterr().err
