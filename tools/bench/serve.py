@@ -34,6 +34,7 @@ from graphrelay.capture.model.model_source import WEIGHT_SOURCES, LoadedModel, d
 from graphrelay.capture.model.text import TextCodec
 from graphrelay.capture.parallel.tp_launch import RankFailed, run_ranks
 from graphrelay.capture.parallel.tp_serve import check_ranks, lead_rank
+from graphrelay.capture.serving.heap import freeze_startup_heap
 from graphrelay.capture.serving.loop import RequestOutput, ServingLoop
 from graphrelay.capture.serving.workloads import Request
 from graphrelay.tools.bench import options
@@ -249,6 +250,7 @@ def sweep(plan: Plan, requests: list[Request], engine: Engine) -> tuple[list[dic
     warm = [msgspec.structs.replace(r, id=f"warm-{r.id}", max_new_tokens=min(r.max_new_tokens, WARM_OUTPUT_LEN))
             for r in requests[: 2 * plan.max_reqs]]
     loop.run(warm)
+    freeze_startup_heap()  # as the server's processes do, so the two are compared alike
     unit = unit_arrivals(len(requests), plan.seed)
     points = []
     for rate in plan.rates:
