@@ -1,13 +1,13 @@
 """The serving processes' heap freeze (`capture.serving.heap`): garbage alive at that moment is
 collected, not frozen (a frozen cycle would never be freed), and what remains is moved out of
-the collector's reach."""
+the collector's reach while serving, and handed back after."""
 
 from __future__ import annotations
 
 import gc
 import weakref
 
-from graphrelay.capture.serving.heap import freeze_startup_heap
+from graphrelay.capture.serving.heap import frozen_startup_heap
 
 
 class _Node:
@@ -26,10 +26,10 @@ def test_garbage_is_collected_and_the_rest_frozen():
         kept.me = kept
         before = gc.get_freeze_count()
         assert freed() is not None, "the cycle was collected before the test could look"
-        freeze_startup_heap()
-        assert freed() is None, "a garbage cycle was frozen instead of freed"
-        assert gc.get_freeze_count() > before and kept.me is kept
+        with frozen_startup_heap():
+            assert freed() is None, "a garbage cycle was frozen instead of freed"
+            assert gc.get_freeze_count() > before and kept.me is kept
+        assert gc.get_freeze_count() == 0, "the heap stayed frozen after serving"
     finally:
-        gc.unfreeze()
         if enabled:
             gc.enable()

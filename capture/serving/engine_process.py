@@ -33,7 +33,7 @@ from graphrelay.capture.serving.engine_handle import EngineHandle, EngineInfo, E
 from graphrelay.capture.serving.engine_messages import (Abort, Close, Failed, Finished, Ready, Results, Submit,
                                                        Tokens, decode_to_server, encode)
 from graphrelay.capture.serving.frames import FrameReader, FrameWriter, widen
-from graphrelay.capture.serving.heap import freeze_startup_heap
+from graphrelay.capture.serving.heap import frozen_startup_heap
 from graphrelay.capture.serving.loop import ServingLoop
 from graphrelay.capture.serving.workloads import Request
 
@@ -60,8 +60,8 @@ def child_main(build: Callable[[], ServingLoop], pipes: list[tuple[Connection, C
         loop = build()
         tell_all(Ready(EngineInfo.of(loop.engine)))
         channel = EngineChannel([(requests.fileno(), results.fileno()) for requests, results in pipes], loop)
-        freeze_startup_heap()
-        stats = loop.serve(channel, channel)
+        with frozen_startup_heap():
+            stats = loop.serve(channel, channel)
         channel.ship(force=True)
         channel.send(Finished(stats))
         channel.close()

@@ -8,17 +8,26 @@ every full collection walks all of them: 160 ms on a CPU core here, a stall of e
 process under load found those collections inside a quarter of its CPU time. `gc.freeze`
 moves what exists now into a generation the collector never scans; what serving allocates
 later is collected as before. Garbage is collected first, so none is frozen with the rest
-(a frozen cycle is never freed: a dropped engine's GPU memory would stay held). Only process
-entry points call this (the engine process, each API server, the in-process benchmark), once.
+(a frozen cycle is never freed: a dropped engine's GPU memory would stay held), and the heap
+is given back to the collector when serving ends (at exit, bindings such as Triton's report
+objects still frozen as leaks). The entry points of serving use it (the engine process, each
+API server, the in-process benchmark's sweep), around their serving only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from typing import Iterator
 
 
-def freeze_startup_heap() -> None:
-    """Collect what is garbage now, then exempt every object still alive from cyclic
-    collection (see the module's docstring)."""
+@contextlib.contextmanager
+def frozen_startup_heap() -> Iterator[None]:
+    """Collect what is garbage now, exempt every object still alive from cyclic collection
+    while the block serves, then hand them back (see the module's docstring)."""
     gc.collect()
     gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

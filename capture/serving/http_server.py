@@ -37,7 +37,7 @@ from starlette.routing import Route
 from graphrelay.capture.model.text import TextCodec
 from graphrelay.capture.serving.detokenize import TextStream
 from graphrelay.capture.serving.engine_handle import EngineHandle, EngineStopped, Overloaded, Rejected
-from graphrelay.capture.serving.heap import freeze_startup_heap
+from graphrelay.capture.serving.heap import frozen_startup_heap
 from graphrelay.capture.serving.loop import RequestOutput
 from graphrelay.capture.serving.openai_api import (
     ApiError, ChatRequest, CompletionRequest, Limits, Prepared, check_controls, controls_error, decode, prepare_chat,
@@ -399,8 +399,8 @@ def run_server(worker: EngineHandle, codec: TextCodec, options: ServerOptions, s
     say(f"graphrelay serve: {options.model_name} on http://{options.host}:{options.port}/v1 "
         f"({worker.info.max_reqs} slots, {options.max_waiting} waiting at most{servers}; {loop} event loop, "
         f"{http} HTTP parser)")
-    freeze_startup_heap()
-    uvicorn_server.run(sockets=sockets)
+    with frozen_startup_heap():
+        uvicorn_server.run(sockets=sockets)
     statuses = [] if peers is None else peers.join()
     if server.worker.failure is not None:
         say(f"graphrelay serve: the engine failed: {server.worker.failure!r}")

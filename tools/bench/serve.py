@@ -34,7 +34,7 @@ from graphrelay.capture.model.model_source import WEIGHT_SOURCES, LoadedModel, d
 from graphrelay.capture.model.text import TextCodec
 from graphrelay.capture.parallel.tp_launch import RankFailed, run_ranks
 from graphrelay.capture.parallel.tp_serve import check_ranks, lead_rank
-from graphrelay.capture.serving.heap import freeze_startup_heap
+from graphrelay.capture.serving.heap import frozen_startup_heap
 from graphrelay.capture.serving.loop import RequestOutput, ServingLoop
 from graphrelay.capture.serving.workloads import Request
 from graphrelay.tools.bench import options
@@ -250,15 +250,16 @@ def sweep(plan: Plan, requests: list[Request], engine: Engine) -> tuple[list[dic
     warm = [msgspec.structs.replace(r, id=f"warm-{r.id}", max_new_tokens=min(r.max_new_tokens, WARM_OUTPUT_LEN))
             for r in requests[: 2 * plan.max_reqs]]
     loop.run(warm)
-    freeze_startup_heap()  # as the server's processes do, so the two are compared alike
     unit = unit_arrivals(len(requests), plan.seed)
     points = []
-    for rate in plan.rates:
-        scheduled = at_rate(requests, unit, rate)
-        result = loop.run(scheduled)
-        timings = [in_process_timing(r, result.outputs[r.id]) for r in scheduled]
-        points.append({"rate": rate, **summarize(timings, result.stats.wall_s), "loop": msgspec.structs.asdict(result.stats)})
-        say(point_line(points[-1]))
+    with frozen_startup_heap():  # as the server's processes serve, so the two are compared alike
+        for rate in plan.rates:
+            scheduled = at_rate(requests, unit, rate)
+            result = loop.run(scheduled)
+            timings = [in_process_timing(r, result.outputs[r.id]) for r in scheduled]
+            points.append({"rate": rate, **summarize(timings, result.stats.wall_s),
+                           "loop": msgspec.structs.asdict(result.stats)})
+            say(point_line(points[-1]))
     return points, sum(p["loop"]["host_syncs"] for p in points)
 
 
