@@ -233,3 +233,18 @@ def test_a_server_that_goes_has_its_requests_aborted_and_the_others_carry_on(mon
         assert ends.channel.drain().closed
     finally:
         ends.close()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads resident memory from /proc (Linux)")
+def test_the_heartbeat_measures_every_api_server_that_said_hello(monkeypatch):
+    from graphrelay.capture.serving.engine_handle import resident_bytes
+    ends = Ends(monkeypatch, heartbeat_s=0.0)
+    try:
+        ends.channel.drain()
+        (alone,) = ends.results()
+        ends.send(em.Hello(os.getpid()))  # the "server" is this process: counted a second time
+        ends.channel.drain()
+        (both,) = ends.results()
+        assert alone.rss_bytes < 1.5 * resident_bytes() < both.rss_bytes
+    finally:
+        ends.close()

@@ -30,7 +30,7 @@ def test_results_cross_the_pipe_intact():
     assert em.decode_to_server(em.encode(message)) == message
     request = Request(id="r9", prompt=[1, 2], max_new_tokens=4, stop=("x",),
                       controls=ControlParams(logit_bias={5: 1.5}, logprobs=2))
-    for sent in (em.Submit(request), em.Abort("r9"), em.Close()):
+    for sent in (em.Hello(4242), em.Submit(request), em.Abort("r9"), em.Close()):
         assert em.decode_to_engine(em.encode(sent)) == sent
 
 

@@ -14,7 +14,11 @@ import openai
 import pytest
 
 from graphrelay.capture.serving.cli import serve_main
+from graphrelay.capture.serving.engine_handle import resident_bytes
 from http_cases import health, start_server, stop_server
+from test_engine_process import _children
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the server's processes from /proc (Linux)")
 
 MODEL = "tiny"
 START_TIMEOUT_S = 300
@@ -44,6 +48,15 @@ def test_fresh_connections_reach_both_servers(server):
     assert sorted(pids) == [0, 1] and pids[0] == server.pid and pids[1] != server.pid
     state = health(server)
     assert state["api_servers"] == 2 and state["capacity"] == 4  # its half of slots + waiting
+    engine = [pid for pid in _children(server.pid) if pid != pids[1] and _is_spawned(pid)]
+    assert len(engine) == 1, f"one engine process beside the second server, found {engine}"
+    every = sum(resident_bytes(str(pid)) for pid in (server.pid, pids[1], engine[0]))
+    assert health(server)["rss_bytes"] >= 0.9 * every  # the whole server's, not one process's
+
+
+def _is_spawned(pid: int) -> bool:
+    with open(f"/proc/{pid}/cmdline") as cmdline:
+        return "spawn_main" in cmdline.read().replace("\0", " ")
 
 
 def test_every_server_gives_the_same_greedy_answer_streamed_or_not(server):

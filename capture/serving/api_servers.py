@@ -73,8 +73,9 @@ class OtherServers(Peers):
     """The first process's handle on the N - 1 API servers it spawned."""
 
     def __init__(self, spec: ServerSpec, pipes: list[ServerPipes], start_timeout_s: float = START_TIMEOUT_S):
-        """Start them and wait until each is about to serve: the first then serves too, so a
-        client that finds it ready finds every one ready."""
+        """Start them and wait until each serves: the first then serves too, so a client
+        that finds it ready finds every one ready, and a stop passed on finds each able to
+        take it."""
         context = multiprocessing.get_context("spawn")  # the process holds no CUDA, but its libraries' threads: no fork
         self._ready = [context.Event() for _ in pipes]
         self._processes = [context.Process(target=server_main, args=(spec, index, ends, ready), daemon=True,
@@ -127,11 +128,11 @@ class FirstServer(Peers):
 
 
 def server_main(spec: ServerSpec, index: int, pipes: ServerPipes, ready) -> None:
-    """A spawned API server process's entry point; sets `ready` just before it serves."""
+    """A spawned API server process's entry point; sets `ready` once it serves and handles
+    SIGTERM (earlier, the signal's default would kill it: exit status -15, not 0)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the first process passes a stop on as SIGTERM
     codec = spec.make_codec()
     link = EngineLink(pipes, spec.options.max_waiting, servers=spec.servers)
     sock = listening_socket(spec.options.host, spec.options.port)
-    ready.set()
     sys.exit(run_server(link, codec, spec.options, lambda line: None, sockets=[sock], peers=FirstServer(),
-                        index=index))
+                        index=index, on_start=ready.set))

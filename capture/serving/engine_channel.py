@@ -31,7 +31,7 @@ from typing import Optional
 import msgspec
 
 from graphrelay.capture.serving.engine_handle import resident_bytes
-from graphrelay.capture.serving.engine_messages import (Abort, Finish, Rejection, Results, Submit, Tokens,
+from graphrelay.capture.serving.engine_messages import (Abort, Finish, Hello, Rejection, Results, Submit, Tokens,
                                                        decode_to_engine, encode)
 from graphrelay.capture.serving.frames import FrameReader, FrameWriter
 from graphrelay.capture.serving.inbox import Drained
@@ -52,6 +52,7 @@ class _Server:
         self.rejected: list[Rejection] = []
         self.closed = False  # sent Close, or its request pipe ended
         self.gone = False  # its results pipe broke: nothing more is sent to it
+        self.pid: Optional[int] = None  # from its Hello
 
     def has_news(self) -> bool:
         return bool(self.events or self.admitted or self.rejected)
@@ -120,12 +121,19 @@ class EngineChannel:
                 continue
             if occupancy is None:
                 occupancy = self._loop.occupancy()
-                rss = resident_bytes() if heartbeat else None
+                rss = self._server_rss() if heartbeat else None
             message = Results(server.events, server.admitted, server.rejected, occupancy, rss)
             server.events, server.admitted, server.rejected = [], [], []
             self._send_to(server, message)
         if heartbeat:
             self._last_sent = now
+
+    def _server_rss(self) -> Optional[int]:
+        """This process's resident memory and every API server's that said hello (Linux)."""
+        parts = [resident_bytes()] + [resident_bytes(str(s.pid)) for s in self._servers
+                                      if s.pid is not None and not s.gone]
+        known = [p for p in parts if p is not None]
+        return sum(known) if known else None
 
     def send(self, message) -> None:
         """`message` to every server still there."""
@@ -155,6 +163,8 @@ class EngineChannel:
                 message = decode_to_engine(frame)
                 if isinstance(message, Submit):
                     self._check(message.request, server)
+                elif isinstance(message, Hello):
+                    server.pid = message.pid
                 elif isinstance(message, Abort):
                     if any(request.id == message.request_id for request, _, _ in self._compiles):
                         self._abort_when_compiled.add(message.request_id)

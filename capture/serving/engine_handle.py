@@ -132,11 +132,12 @@ class EngineHandle:
         maps each slot to its own range): `free_slots == slots` means neither leaked.
         `rss_bytes`: the server's resident memory (every process of it), for soak runs."""
         occupancy = dict(self.occupancy())
-        engine_rss = occupancy.pop("engine_rss_bytes", 0)  # an engine process's own
-        rss = resident_bytes()
+        # An engine process measures the whole server (itself and every API server process);
+        # until it first has, or with the engine in this process, this process's own.
+        rss = occupancy.pop("server_rss_bytes", None) or resident_bytes()
         return {"engine": "failed" if self.failure else ("running" if self.running() else "stopped"),
                 "outstanding": self._outstanding, "capacity": self.capacity, "finished": dict(self._finished),
-                **occupancy, "rss_bytes": None if rss is None else rss + (engine_rss or 0)}
+                **occupancy, "rss_bytes": rss}
 
     def _deliver(self) -> None:
         # Cleared before draining: an event posted from here on either is drained below or

@@ -27,6 +27,13 @@ class Abort(msgspec.Struct, tag=True, array_like=True):
     request_id: str
 
 
+class Hello(msgspec.Struct, tag=True, array_like=True):
+    """An API server's first message: its process id, so the engine can report the whole
+    server's resident memory (every API server's and its own) in `Results.rss_bytes`."""
+
+    pid: int
+
+
 class Close(msgspec.Struct, tag=True, array_like=True):
     """Admit nothing more; finish what is held, send `Finished`, exit."""
 
@@ -57,7 +64,7 @@ class Results(msgspec.Struct, tag=True, array_like=True):
     admitted: list[str]  # request ids taken into the loop's queue since the last Results
     rejected: list[Rejection]  # sampling controls the engine refused
     occupancy: dict[str, int]  # the loop's slot counts (`ServingLoop.occupancy`)
-    rss_bytes: Optional[int]  # the engine process's resident memory; None: unchanged since last told
+    rss_bytes: Optional[int]  # the whole server's resident memory (engine and API servers); None: not measured this time
 
 
 class Finished(msgspec.Struct, tag=True, array_like=True):
@@ -68,7 +75,7 @@ class Failed(msgspec.Struct, tag=True, array_like=True):
     message: str
 
 
-ToEngine = Union[Submit, Abort, Close]
+ToEngine = Union[Hello, Submit, Abort, Close]
 ToServer = Union[Ready, Results, Finished, Failed]
 encode = msgspec.msgpack.Encoder().encode
 decode_to_engine = msgspec.msgpack.Decoder(ToEngine).decode

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 import select
 import signal
 import time
@@ -30,7 +31,7 @@ from typing import Callable, Optional
 
 from graphrelay.capture.serving.engine_channel import EngineChannel
 from graphrelay.capture.serving.engine_handle import EngineHandle, EngineInfo, EngineStopped, Rejected
-from graphrelay.capture.serving.engine_messages import (Abort, Close, Failed, Finished, Ready, Results, Submit,
+from graphrelay.capture.serving.engine_messages import (Abort, Close, Failed, Finished, Hello, Ready, Results, Submit,
                                                        Tokens, decode_to_server, encode)
 from graphrelay.capture.serving.frames import FrameReader, FrameWriter, widen
 from graphrelay.capture.serving.heap import frozen_startup_heap
@@ -95,7 +96,7 @@ class EngineLink(EngineHandle):
         self._writer: Optional[FrameWriter] = None  # on the event loop, from `start`
         self._occupancy: dict = {"slots": first.info.max_reqs, "free_slots": first.info.max_reqs, "running": 0,
                                  "retiring": 0, "waiting": 0}
-        self._engine_rss: Optional[int] = None
+        self._server_rss: Optional[int] = None  # the engine's sum over every process of the server
         self._admissions: dict[str, asyncio.Future] = {}  # asyncio thread only
         self._finished_run: Optional[asyncio.Event] = None  # set once the child sent Finished, or failed
 
@@ -121,6 +122,7 @@ class EngineLink(EngineHandle):
         self._bind()
         self._finished_run = asyncio.Event()
         self._writer = FrameWriter(self._requests_fd, self._events)
+        self._writer.send(encode(Hello(os.getpid())))
         self._events.add_reader(self._reader.fd, self._read)
 
     def submit(self, request: Request) -> asyncio.Queue:
@@ -156,7 +158,7 @@ class EngineLink(EngineHandle):
             self._finished_run is not None and self._finished_run.is_set())
 
     def occupancy(self) -> dict:
-        return {**self._occupancy, "engine_rss_bytes": self._engine_rss}
+        return {**self._occupancy, "server_rss_bytes": self._server_rss}
 
     def _admitted(self, request_id: str, error: Optional[str]) -> None:
         """Resolve `admit`'s wait; a rejected request is no longer outstanding."""
@@ -199,7 +201,7 @@ class EngineLink(EngineHandle):
     def _take_results(self, message: Results) -> None:
         self._occupancy = message.occupancy
         if message.rss_bytes is not None:
-            self._engine_rss = message.rss_bytes
+            self._server_rss = message.rss_bytes
         for request_id in message.admitted:
             self._admitted(request_id, None)
         for rejection in message.rejected:

@@ -91,9 +91,11 @@ class Completion:
 class OpenAIServer:
     """The app's handlers; `app` is the ASGI application."""
 
-    def __init__(self, worker: EngineHandle, codec: TextCodec, options: ServerOptions, index: int = 0):
+    def __init__(self, worker: EngineHandle, codec: TextCodec, options: ServerOptions, index: int = 0,
+                 on_start: Optional[Callable[[], None]] = None):
         info = worker.info
         self.index = index  # which of the API server processes this is
+        self.on_start = on_start  # called once serving, its stop signals handled
         self.codec = codec
         self.options = options
         self.limits = Limits(options.model_name, info.model.max_seq_len, info.model.vocab_size, info.max_top_k,
@@ -115,6 +117,8 @@ class OpenAIServer:
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
         self.worker.start()
+        if self.on_start is not None:
+            self.on_start()
         yield
         await self.worker.stop()
 
@@ -378,12 +382,15 @@ class _Uvicorn(uvicorn.Server):
 
 
 def run_server(worker: EngineHandle, codec: TextCodec, options: ServerOptions, say: Callable[[str], None], *,
-               sockets: Optional[list] = None, peers=None, index: int = 0) -> int:
+               sockets: Optional[list] = None, peers=None, index: int = 0,
+               on_start: Optional[Callable[[], None]] = None) -> int:
     """Serve until SIGINT or SIGTERM; returns 0 after a clean shutdown. The worker's engine
     must be captured already, and is used from the engine side only from now on. `sockets`:
     listen on these instead of binding (options.host, options.port); `peers`: the other API
-    server processes' supervision (`api_servers.Peers`), `index`: this one's number."""
-    server = OpenAIServer(worker, codec, options, index)
+    server processes' supervision (`api_servers.Peers`), `index`: this one's number;
+    `on_start`: called once the server handles its stop signals (a supervisor may send one
+    from then on)."""
+    server = OpenAIServer(worker, codec, options, index, on_start)
     loop, http = _event_loop_and_parser()
     config = uvicorn.Config(server.app, host=options.host, port=options.port, log_level="warning", access_log=False,
                             lifespan="on", timeout_graceful_shutdown=options.shutdown_grace_s, loop=loop, http=http)
