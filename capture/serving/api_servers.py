@@ -96,6 +96,10 @@ class OtherServers(Peers):
                                        f"{process.exitcode}); its output above says why")
 
     def stop(self) -> None:
+        """SIGTERM to each, once: a second one could land after its server has returned, where
+        the signal's default would kill it (exit status -15)."""
+        if self._stopping:
+            return
         self._stopping = True
         for process in self._processes:
             if process.is_alive():
