@@ -88,6 +88,7 @@ class EngineLink(EngineHandle):
         self._pipes = pipes  # the connections own the descriptors: kept for as long as they are used
         requests, results = pipes
         self._reader = FrameReader(results.fileno())
+        self._early: list[bytes] = []  # frames read with Ready (a late server's heartbeats): `_read`'s first
         first = self._first_message(start_timeout_s)
         if not isinstance(first, Ready):
             raise RuntimeError(f"the engine process failed to start: {getattr(first, 'message', first)}")
@@ -105,6 +106,7 @@ class EngineLink(EngineHandle):
         while True:
             frames = self._reader.read()
             if frames:
+                self._early = frames[1:]
                 return decode_to_server(frames[0])
             if self._reader.closed:
                 return Failed(f"the engine process exited{self._exit_status()}")
@@ -179,7 +181,8 @@ class EngineLink(EngineHandle):
 
     def _read(self) -> None:
         try:
-            for frame in self._reader.read():
+            frames, self._early = self._early + self._reader.read(), []
+            for frame in frames:
                 message = decode_to_server(frame)
                 if isinstance(message, Results):
                     self._take_results(message)
