@@ -131,9 +131,9 @@ def test_a_client_process_that_raises_reports_its_traceback(stamped_server):
 
     url, _ = stamped_server
     requests = smoke_requests()[:2]
-    # bytes are no JSON: building the request body raises TypeError inside the client process.
+    # A plain object is no JSON: encoding the request body raises TypeError inside the client process.
     with pytest.raises(ClientFailed, match=r"(?s)client process \d failed:.*TypeError"):
-        run_http(url, b"stub-model", requests, [r.prompt for r in requests], timeout_s=30, procs=2)
+        run_http(url, object(), requests, [r.prompt for r in requests], timeout_s=30, procs=2)
 
 
 @pytest.mark.parametrize("argv, message", [

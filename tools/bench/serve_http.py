@@ -4,11 +4,12 @@ One asyncio task per request sleeps until its arrival time, then POSTs `/v1/comp
 with `stream: true` and `stream_options.include_usage`, and timestamps every server-sent
 event that carries text. The token count is the final usage chunk's `completion_tokens` (a
 chunk may carry several tokens); a server that sends no usage gets one token per text chunk.
-Connections are not pooled down: at rate inf every request is in flight at once.
-`async_client` and `stream_events` are the pieces `bench soak` drives its clients with too.
+Connections are not pooled down: at rate inf every request is in flight at once. The requests
+go out through the load generator's own lean HTTP/1.1 client (`sse_client`), which costs a
+fraction of httpx's CPU per event.
 
-One Python process cannot parse every event of a fast server (measured on the H200 host: at 100
-requests/s one client sat at 100% CPU and sent 221 ms late at p99), so `run_http` spreads the
+One Python process cannot parse every event of a fast server (measured on the H200 host with
+httpx: at 100 requests/s one client sat at 100% CPU and sent 221 ms late at p99), so `run_http` spreads the
 requests over `procs` client processes (`client_procs`, one start instant for all): request i
 goes to process i % procs. With procs = 1 the requests go out from this process, nothing
 spawned.
@@ -19,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any, AsyncIterator, Callable, Optional, Union
+from typing import Callable, Optional, Union
 
 import httpx
 import msgspec
@@ -28,9 +29,9 @@ from graphrelay.capture.serving.workloads import Request
 from graphrelay.tools.bench.client_procs import run_shares
 from graphrelay.tools.bench.options import UsageError
 from graphrelay.tools.bench.serve_metrics import Timing
+from graphrelay.tools.bench.sse_client import SseClient, StreamFailed, parse_chunk
 
 CONNECT_TIMEOUT_S = 10.0
-_decode = msgspec.json.Decoder()
 
 
 def served_models(url: str) -> list[str]:
@@ -92,39 +93,17 @@ async def _send_share(url: str, model: str, jobs: list, timeout_s: float, wait_s
     """Send `jobs` (request, prompt) on their schedule from `wait_start()`, the start instant on
     the perf_counter clock; it is called once the client is built and may block (nothing else
     runs on this loop yet)."""
-    async with async_client(url, timeout_s) as client:
+    client = SseClient(url, CONNECT_TIMEOUT_S)
+    try:
         start = wait_start()
         cpu = time.process_time()
-        timings = await asyncio.gather(*(_one(client, model, r, p, start) for r, p in jobs))
+        timings = await asyncio.gather(*(_one(client, model, r, p, start, timeout_s) for r, p in jobs))
         return list(timings), time.process_time() - cpu, time.perf_counter() - start
+    finally:
+        await client.close()
 
 
-def async_client(url: str, timeout_s: float) -> httpx.AsyncClient:
-    """A client with no connection limit, so every request is in flight at once if asked."""
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    return httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(timeout_s, connect=CONNECT_TIMEOUT_S))
-
-
-async def stream_events(client: httpx.AsyncClient, body: dict) -> AsyncIterator[dict[str, Any]]:
-    """POST `body` to /v1/completions and yield each server-sent event's JSON payload as it
-    arrives, up to `[DONE]`. Raises `StreamFailed` for an answer that is not a stream, an
-    error event, or a stream that ends without `[DONE]`. Closing the generator early (use
-    `contextlib.aclosing`) closes the connection: the server sees the client go away."""
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            await response.aread()
-            raise StreamFailed(f"HTTP {response.status_code}: {response.text[:200]}")
-        done = False  # read on to the end of the body, so the connection can be reused
-        async for line in response.aiter_lines():
-            if line.startswith("data:") and line[5:].strip() == "[DONE]":
-                done = True
-            elif (event := _event(line)) is not None:
-                yield event
-    if not done:
-        raise StreamFailed("the stream ended without data: [DONE]")
-
-
-async def _one(client: httpx.AsyncClient, model: str, request: Request, prompt, start: float) -> Timing:
+async def _one(client: SseClient, model: str, request: Request, prompt, start: float, timeout_s: float) -> Timing:
     await asyncio.sleep(max(0.0, request.arrival - (time.perf_counter() - start)))
     # ignore_eos: the in-process workload has no stop tokens, so each request makes its planned
     # length; without it a real model's early end of text would shorten the HTTP run's work.
@@ -134,32 +113,21 @@ async def _one(client: httpx.AsyncClient, model: str, request: Request, prompt, 
     times: list[float] = []
     usage_tokens: Optional[int] = None
     error = None
-    try:
-        async with contextlib.aclosing(stream_events(client, body)) as events:
-            async for event in events:
-                if any(choice.get("text") for choice in event.get("choices") or ()):
+
+    async def stream() -> None:
+        nonlocal usage_tokens
+        async with contextlib.aclosing(client.events("/v1/completions", body)) as events:
+            async for data in events:
+                chunk = parse_chunk(data)
+                if chunk.has_text:
                     times.append(time.perf_counter() - start)
-                if event.get("usage"):
-                    usage_tokens = event["usage"].get("completion_tokens")
-    except (httpx.HTTPError, StreamFailed) as exc:
-        error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, StreamFailed) else str(exc)
+                if chunk.usage is not None:
+                    usage_tokens = chunk.usage.completion_tokens
+    try:
+        await asyncio.wait_for(stream(), timeout_s)
+    except StreamFailed as exc:
+        error = str(exc)
+    except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
     output_tokens = usage_tokens if usage_tokens is not None else len(times)
     return Timing(request.id, len(request.prompt), request.max_new_tokens, output_tokens, sent, times, error)
-
-
-class StreamFailed(Exception):
-    """The server answered, but not with a whole stream."""
-
-
-def _event(line: str) -> Optional[dict[str, Any]]:
-    """A server-sent event's JSON payload; None for blank lines and comments."""
-    if not line.startswith("data:"):
-        return None
-    data = line[5:].strip()
-    try:
-        event = _decode.decode(data)
-    except msgspec.DecodeError:
-        raise StreamFailed(f"a stream event is not JSON: {data[:200]!r}") from None
-    if isinstance(event, dict) and "error" in event:
-        raise StreamFailed(f"the server sent an error event: {str(event['error'])[:200]}")
-    return event if isinstance(event, dict) else None

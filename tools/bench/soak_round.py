@@ -1,6 +1,6 @@
 """One pass of `bench soak`'s clients against the server, and the check of each stream.
 
-Every client of a pass is in flight at once (`serve_http.async_client`, no connection limit;
+Every client of a pass is in flight at once (`async_client`, no connection limit;
 the server queues what its slots cannot hold). The reference pass asks each request once
 without streaming; a streaming round sends the same requests with `stream: true`, and the
 clients picked to disconnect close their connection after a few text chunks. A stream that
@@ -17,7 +17,10 @@ from typing import Any, Optional
 import httpx
 import msgspec
 
-from graphrelay.tools.bench.serve_http import StreamFailed, async_client, stream_events
+from graphrelay.tools.bench.serve_http import CONNECT_TIMEOUT_S
+from graphrelay.tools.bench.sse_client import StreamFailed
+
+_decode = msgspec.json.Decoder()
 
 
 class Answer(msgspec.Struct):
@@ -108,3 +111,45 @@ def problems(streamed: Answer, reference: Answer, max_tokens: int) -> list[str]:
     if streamed.finish_reason == "length" and usage.get("completion_tokens") != max_tokens:
         found.append(f"finish_reason length after {usage.get('completion_tokens')} of {max_tokens} tokens")
     return found
+
+
+# ---- the clients: httpx, as users' clients are (the load generator's lean one is `sse_client`) ----
+
+
+def async_client(url: str, timeout_s: float) -> httpx.AsyncClient:
+    """A client with no connection limit, so every request is in flight at once if asked."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    return httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(timeout_s, connect=CONNECT_TIMEOUT_S))
+
+
+async def stream_events(client: httpx.AsyncClient, body: dict) -> AsyncIterator[dict[str, Any]]:
+    """POST `body` to /v1/completions and yield each server-sent event's JSON payload as it
+    arrives, up to `[DONE]`. Raises `StreamFailed` for an answer that is not a stream, an
+    error event, or a stream that ends without `[DONE]`. Closing the generator early (use
+    `contextlib.aclosing`) closes the connection: the server sees the client go away."""
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            raise StreamFailed(f"HTTP {response.status_code}: {response.text[:200]}")
+        done = False  # read on to the end of the body, so the connection can be reused
+        async for line in response.aiter_lines():
+            if line.startswith("data:") and line[5:].strip() == "[DONE]":
+                done = True
+            elif (event := _event(line)) is not None:
+                yield event
+    if not done:
+        raise StreamFailed("the stream ended without data: [DONE]")
+
+
+def _event(line: str) -> Optional[dict[str, Any]]:
+    """A server-sent event's JSON payload; None for blank lines and comments."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    try:
+        event = _decode.decode(data)
+    except msgspec.DecodeError:
+        raise StreamFailed(f"a stream event is not JSON: {data[:200]!r}") from None
+    if isinstance(event, dict) and "error" in event:
+        raise StreamFailed(f"the server sent an error event: {str(event['error'])[:200]}")
+    return event if isinstance(event, dict) else None
