@@ -152,9 +152,10 @@ def prepare_completion(body: CompletionRequest, codec: TextCodec, limits: Limits
     if isinstance(body.prompt, str):
         prompt = codec.encode(body.prompt)
     else:
-        bad = [t for t in body.prompt if not 0 <= t < limits.vocab_size]
-        if bad:
-            raise ApiError(f"prompt token id {bad[0]} is outside the vocabulary 0..{limits.vocab_size - 1}", param="prompt")
+        # min / max run in C: the per-element scan that names the offender runs only on a bad prompt.
+        if body.prompt and not 0 <= min(body.prompt) <= max(body.prompt) < limits.vocab_size:
+            bad = next(t for t in body.prompt if not 0 <= t < limits.vocab_size)
+            raise ApiError(f"prompt token id {bad} is outside the vocabulary 0..{limits.vocab_size - 1}", param="prompt")
         prompt = list(body.prompt)
     return _prepare(body, prompt, body.max_tokens, DEFAULT_COMPLETION_TOKENS, codec, limits)
 

@@ -48,12 +48,12 @@ class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"request id must be a string, got {self.id!r}")
         if not isinstance(self.prompt, list) or not self.prompt:
             raise ValueError(f"{where}: prompt must be a non-empty list of token ids")
-        bad = next((t for t in self.prompt if not _is_token_id(t)), None)
+        bad = _first_bad_token_id(self.prompt)
         if bad is not None:
             raise ValueError(f"{where}: prompt token ids must be ints >= 0, got {bad!r}")
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"{where}: max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
-        bad = next((t for t in self.stop_tokens if not _is_token_id(t)), None)
+        bad = _first_bad_token_id(self.stop_tokens)
         if bad is not None:
             raise ValueError(f"{where}: stop_tokens must be token ids (ints >= 0), got {bad!r}")
         if not isinstance(self.sampling, SamplingParams):
@@ -80,6 +80,15 @@ def _is_int(value) -> bool:
 
 def _is_token_id(value) -> bool:
     return _is_int(value) and value >= 0
+
+
+def _first_bad_token_id(ids):
+    """The first of `ids` that is not a token id (an int >= 0), or None. Plain ints, what JSON
+    decoding gives, are checked in C (`type` and `min` over the list): an HTTP server admits a
+    512-token prompt in microseconds instead of ~0.2 ms of per-element Python."""
+    if not ids or (set(map(type, ids)) == {int} and min(ids) >= 0):
+        return None
+    return next((t for t in ids if not _is_token_id(t)), None)
 
 
 class SyntheticWorkload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
