@@ -53,17 +53,23 @@ class TextStream:
     def push(self, tokens: Sequence[int]) -> str:
         """Take the next tokens; return the text they make visible (maybe ""). After a stop
         string everything is ignored."""
+        if self.stopped:
+            return ""
+        step, tokenizer, stop = self._decoder.step, self._tokenizer, self._stop
         for token in tokens:
-            if self.stopped:
-                break
             self.tokens.append(token)
-            piece = self._decoder.step(self._tokenizer, token)
-            self._decoded += len(piece or "")
-            self.ends.append(self._decoded)
+            piece = step(tokenizer, token)
             if piece:
+                self._decoded += len(piece)
                 self._held += piece
-                if self._cut_at_stop():
+                if stop and self._cut_at_stop():
+                    self.ends.append(self._decoded)
                     break
+            self.ends.append(self._decoded)
+        if not stop:  # nothing to hold back: the per-token path of every stream without stop strings
+            text, self._held = self._held, ""
+            self._shown.append(text)
+            return text
         return self._release(self._held if self.stopped else self._held[: len(self._held) - self._may_start_stop()])
 
     def finish(self) -> str:
