@@ -99,3 +99,25 @@ def test_api_servers_refuse_what_they_cannot_do(capsys):
     assert "--api-servers must be at least 1" in capsys.readouterr().err
     assert serve_main([*tiny, "--api-servers", "2", "--engine-placement", "thread"]) == 2
     assert "drop --engine-placement thread" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cores, servers", [(1, 1), (2, 1), (7, 1), (8, 2), (12, 3), (16, 4), (128, 4)])
+def test_the_default_is_one_api_server_per_four_cores_up_to_four(monkeypatch, cores, servers):
+    from graphrelay.capture.serving import api_servers
+
+    monkeypatch.setattr(api_servers.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert api_servers.default_count() == servers
+
+
+def test_the_thread_placement_defaults_to_one_api_server(monkeypatch):
+    """The engine as a thread of the one HTTP process: the default cannot be several servers
+    there, whatever the machine (a busy 16-core one would otherwise refuse its own default)."""
+    from graphrelay.capture.serving import api_servers, cli
+
+    monkeypatch.setattr(api_servers, "default_count", lambda: 4)
+    args = cli.build_parser().parse_args(["--port", "0", "--engine-placement", "thread"])
+    cli._check_http_args(args)
+    assert args.api_servers == 1
+    args = cli.build_parser().parse_args(["--port", "0"])
+    cli._check_http_args(args)
+    assert args.api_servers == 4

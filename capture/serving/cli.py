@@ -103,9 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="where the server's engine runs: 'process' (its own process, so the event loop and the "
                            "engine loop share no interpreter lock; the default) or 'thread' (a thread of the server's "
                            "process)")
-    http.add_argument("--api-servers", type=int, default=1,
+    http.add_argument("--api-servers", type=int, default=None,
                       help="HTTP server processes sharing the port (SO_REUSEPORT), each its own core, all over the one "
-                           "engine process (default 1)")
+                           "engine process (default: one per 4 cores of this machine, at most 4; 1 with "
+                           "--engine-placement thread)")
     http.add_argument("--shutdown-grace", type=float, default=30.0,
                       help="seconds running requests get to finish on SIGINT/SIGTERM before they are aborted")
     p.add_argument("--show", type=int, default=3, help="completions to print (default 3)")
@@ -369,6 +370,10 @@ def _check_http_args(args) -> None:
         raise ValueError("the HTTP server runs one process (--tp 1); tensor-parallel serving over HTTP is not built yet")
     if args.max_waiting < 0 or args.max_body_bytes < 1 or args.shutdown_grace < 0:
         raise ValueError("--max-waiting and --shutdown-grace must be >= 0 and --max-body-bytes >= 1")
+    if args.api_servers is None:
+        from graphrelay.capture.serving.api_servers import default_count  # the `serve` extra, as --port needs
+
+        args.api_servers = default_count() if _in_engine_process(args) else 1
     if args.api_servers < 1:
         raise ValueError(f"--api-servers must be at least 1, got {args.api_servers}")
     if args.api_servers > 1 and not _in_engine_process(args):
