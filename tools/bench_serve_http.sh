@@ -23,6 +23,14 @@ else
     # and no sampling controls in the graph (the in-process workload uses none; `bench
     # controls` measures what carrying them costs).
     server_args=(--max-reqs 256 --max-batch 256 --max-seq-len 1024 --no-controls); log=$out/http_server.log
+    # GRAPHRELAY_HTTP_TOKENIZER=FILE.gguf: SmolLM2's architecture with random weights and that
+    # tokenizer (`python -m graphrelay.tools.tokenizer_gguf`), for a GPU machine the real
+    # model's file cannot reach; the workload is then the in-process random-weights one.
+    bench_args=()
+    if [ -n "${GRAPHRELAY_HTTP_TOKENIZER:-}" ]; then
+        server_args+=(--model smollm2-135m --weights random --tokenizer "$GRAPHRELAY_HTTP_TOKENIZER")
+        bench_args=(--weights random)
+    fi
     # GRAPHRELAY_HTTP_SERVER_ARGS: extra server flags, e.g. "--engine-placement thread".
     read -r -a extra_args <<< "${GRAPHRELAY_HTTP_SERVER_ARGS:-}"
     server_args+=("${extra_args[@]}")
@@ -41,7 +49,7 @@ done
 if [ $soak = 1 ]; then
     "$py" -m graphrelay.tools.cli bench soak --url "http://127.0.0.1:$port" --out "$out" "$@"
 else
-    "$py" -m graphrelay.tools.cli bench serve --url "http://127.0.0.1:$port" --rates "$rates" --out "$out"
+    "$py" -m graphrelay.tools.cli bench serve --url "http://127.0.0.1:$port" --rates "$rates" "${bench_args[@]}" --out "$out"
 fi
 rc=$?
 trap - EXIT
