@@ -22,10 +22,13 @@ pair is two row ranges of one tensor; a rotary program owns matching columns of 
 a head, so the rotation pairs sit in one program's registers. Accumulation is float32 (tl.dot,
 IEEE for float32 inputs); every rounding the unfused path does is done here too (`_round_to`).
 
-Programmatic dependent launch (`pdl`, Hopper and later): the first weight tile is loaded
-before `gdc_wait`, so its fetch overlaps the previous kernel's tail; nothing an earlier kernel
+Programmatic dependent launch (`pdl`, Hopper and later): before `gdc_wait` a CUDA-core tile
+loads its first (usually whole-K) weight tile into registers and a tensor-core tile asks L2 for
+its weight rows, so the fetch overlaps the previous kernel's tail; nothing an earlier kernel
 writes is read, and nothing is written, before the wait. Each program then lets the next
-kernel launch. Off under the interpreter and on GPUs or Triton builds without it.
+kernel launch. Off under the interpreter and on GPUs or Triton builds without it. The
+tensor-core tiles' K loop is software-pipelined by Triton (`TC_STAGES` deep), x and weights
+alike.
 
 Backends as in `layer_kernels`: "triton" (default for CUDA tensors) or "torch", the unfused
 path (layer_kernels' rms_norm / silu_mul / rotary_and_cache_write on their default backend
@@ -45,20 +48,19 @@ from graphrelay.capture.kernels import layer_kernels as lk
 from graphrelay.capture.kernels.layer_kernels import _check_rotary, _expect, _expect_2d, _pick_backend, _round_to
 from graphrelay.capture.kernels.pdl import resolve_pdl
 
-BLOCK_N = 16  # output features per program: the smallest tl.dot tile, so the most programs
-# K per loop step, for 2-byte types (halved for float32). Compiled for sm_90 (ptxas -v, 8
-# warps), a norm prologue or a second weight tile spills registers above 256 at every row
-# tile; the plain projection + residual does not up to 16384 x elements (BLOCK_M x BLOCK_K).
-# float32 (an FMA dot, for tests and the CPU-sized presets) spills either way; halving keeps
-# its shared memory under Hopper's 227 KB at 64-row tiles.
-NORM_BLOCK_K = 256
-MAX_TILE = 16384
 # Up to FMA_MAX_ROWS rows (decode at batch 1-16) the kernel runs one row per program on the CUDA
 # cores, tiles of at most FMA_TILE weight elements (BLOCK_N x BLOCK_K) and K steps of at most
 # FMA_MAX_K; each row's program re-reads its weight tile, from L2 after the first.
 FMA_MAX_ROWS = 16
 FMA_TILE = 4096
 FMA_MAX_K = 2048
+# Software-pipeline depth of the tensor-core tiles' K loop (`num_stages`): 4 was the fastest of
+# 2-4 at every projection and row count of a sweep on the H200 (results/skinny_stages_h200.txt).
+# Each stage buffers a K step of x and of the weight tiles in shared memory, so float32 (tests
+# and CPU-sized presets on a GPU) keeps 2: the widest candidate tile at 4 would pass Hopper's
+# 227 KB.
+TC_STAGES = 4
+TC_STAGES_FLOAT32 = 2
 EPILOGUE_NONE, EPILOGUE_RESIDUAL, EPILOGUE_SILU_MUL, EPILOGUE_ROTARY = 0, 1, 2, 3
 
 
@@ -161,10 +163,12 @@ def _skinny_linear_kernel(
     w_b = w_ptr + col_b[:, None].to(tl.int64) * K
     w_ok = idx_ok[:, None]
 
-    # The weights depend on no earlier kernel: start streaming them before the PDL wait.
-    wa = tl.load(w_a + ks[None, :], mask=w_ok & (ks[None, :] < K), other=0.0)
-    if EPILOGUE >= 2:
-        wb = tl.load(w_b + ks[None, :], mask=w_ok & (ks[None, :] < K), other=0.0)
+    if FMA:
+        # The weights depend on no earlier kernel: the first (usually the whole-K) tile is
+        # requested into registers before the PDL wait.
+        wa = tl.load(w_a + ks[None, :], mask=w_ok & (ks[None, :] < K), other=0.0)
+        if EPILOGUE >= 2:
+            wb = tl.load(w_b + ks[None, :], mask=w_ok & (ks[None, :] < K), other=0.0)
     if USE_PDL:
         # While the previous kernel finishes, the rest of the weight streams into L2 too.
         if BLOCK_K < K:
@@ -204,14 +208,25 @@ def _skinny_linear_kernel(
             # Llama's order: normalize in float32, round, then scale by the weight in the model dtype.
             normed = _round_to(x.to(tl.float32) * rstd[:, None], dtype)
             x = _round_to(nw[None, :].to(tl.float32) * normed.to(tl.float32), dtype)
-        acc_a = _dot(x, wa, acc_a, DOT_F32, FMA)
-        if EPILOGUE >= 2:
-            acc_b = _dot(x, wb, acc_b, DOT_F32, FMA)
-        # The next step's weight tile (fully masked, so no traffic, after the last step).
-        next_ok = w_ok & (k0 + BLOCK_K + ks[None, :] < K)
-        wa = tl.load(w_a + k0 + BLOCK_K + ks[None, :], mask=next_ok, other=0.0)
-        if EPILOGUE >= 2:
-            wb = tl.load(w_b + k0 + BLOCK_K + ks[None, :], mask=next_ok, other=0.0)
+        if FMA:
+            acc_a = _dot(x, wa, acc_a, DOT_F32, FMA)
+            if EPILOGUE >= 2:
+                acc_b = _dot(x, wb, acc_b, DOT_F32, FMA)
+            # The next step's weight tile (fully masked, so no traffic, after the last step).
+            next_ok = w_ok & (k0 + BLOCK_K + ks[None, :] < K)
+            wa = tl.load(w_a + k0 + BLOCK_K + ks[None, :], mask=next_ok, other=0.0)
+            if EPILOGUE >= 2:
+                wb = tl.load(w_b + k0 + BLOCK_K + ks[None, :], mask=next_ok, other=0.0)
+        else:
+            # Plain loads in the loop: Triton's pipeliner issues them TC_STAGES steps ahead as
+            # async copies, x included (a hand-written one-step weight prefetch left each step
+            # waiting a memory latency for x: 1.2-2x slower at 16-256 rows on the H200).
+            w_ok_k = w_ok & (k0 + ks[None, :] < K)
+            wa = tl.load(w_a + k0 + ks[None, :], mask=w_ok_k, other=0.0)
+            acc_a = _dot(x, wa, acc_a, DOT_F32, FMA)
+            if EPILOGUE >= 2:
+                wb = tl.load(w_b + k0 + ks[None, :], mask=w_ok_k, other=0.0)
+                acc_b = _dot(x, wb, acc_b, DOT_F32, FMA)
 
     out_ok = row_ok & idx_ok[None, :]
     row64 = rows[:, None].to(tl.int64)
@@ -273,18 +288,17 @@ class Tiles(NamedTuple):
     fma: bool
 
 
-def default_tiles(m: int, k: int, *, heavy: bool, element_size: int) -> Tiles:
-    """The tiling used when a caller names none. heavy: a norm prologue or a second weight tile
-    (gate/up, rotary), which limits the K step (see NORM_BLOCK_K)."""
+def default_tiles(m: int, k: int) -> Tiles:
+    """The tiling used when a caller names none."""
     if m <= FMA_MAX_ROWS:
         # A program per row and a few output features, the whole K in one step where it fits:
         # every weight byte is requested at once (before the PDL wait), and the grid has a
         # program or more per SM even for the narrowest projection.
         block_k = min(triton.next_power_of_2(k), FMA_MAX_K)
         return Tiles(1, max(2, FMA_TILE // block_k), block_k, 4, True)
-    block_m = max(16, min(64, triton.next_power_of_2(m)))
-    widest = NORM_BLOCK_K if heavy else MAX_TILE // block_m
-    return Tiles(block_m, BLOCK_N, max(16, min(triton.next_power_of_2(k), widest * 2 // element_size)), 8, False)
+    # Short K steps the pipeliner keeps TC_STAGES deep: at 16-64 rows the H200 sweep's fastest,
+    # or within 10% of it, for every projection; 64-row blocks beyond.
+    return Tiles(16 if m <= 64 else 64, 32, 64, 4, False)
 
 
 def check_tiles(tiles: object) -> Tiles:
@@ -302,8 +316,7 @@ def _launch(x, weight, out, *, n, epilogue, pdl, norm_weight=None, eps=0.0, resi
             add=None, rotary=None, tiles=None):
     m, k = x.shape
     if tiles is None:
-        tiles = default_tiles(m, k, heavy=norm_weight is not None or epilogue >= EPILOGUE_SILU_MUL,
-                              element_size=x.element_size())
+        tiles = default_tiles(m, k)
     block_m, block_n, block_k, warps, fma = check_tiles(tiles)
     tile_cols = n // 2 if epilogue == EPILOGUE_ROTARY else n
     rot = rotary or Rotary(x, x, x, x, x, x, 0, 0)
@@ -320,7 +333,7 @@ def _launch(x, weight, out, *, n, epilogue, pdl, norm_weight=None, eps=0.0, resi
         # NOTE: the interpreter multiplies bfloat16 dot operands as their raw uint16 bits: upcast there.
         DOT_F32=x.dtype == torch.float32 or not x.is_cuda, FMA=fma, USE_PDL=pdl,
         LINE=128 // weight.element_size(), LINES=triton.next_power_of_2(triton.cdiv(k * weight.element_size(), 128)),
-        num_warps=warps,
+        num_warps=warps, **({} if fma else {"num_stages": TC_STAGES if x.element_size() <= 2 else TC_STAGES_FLOAT32}),
         # a*b + c*d contracted to an FMA would round the rotation differently from torch.
         enable_fp_fusion=epilogue != EPILOGUE_ROTARY, **extra,
     )

@@ -202,22 +202,23 @@ class LinearPlan:
 def candidate_tiles(rows: int, k: int) -> list[gemv.Tiles]:
     """The Triton tilings start-up timing tries for a projection of `rows` rows and K = k.
 
-    A few per regime, so start-up compiles few variants: the winners of a sweep of 10-37
-    tilings per row count on the H200 (SmolLM2-135M's four projections, 30 layers' weights in
-    one graph, 1-256 rows; results/tiles_sweep_h200.txt). Up to 4 rows: one program per row pair or quad on the CUDA cores,
-    the whole K in one step. 5-16: the same at 4 rows, or the smallest tensor-core tiles.
-    Beyond: tensor-core tiles, taller with the row count."""
+    A few per regime, so start-up compiles few variants: the winners of sweeps on the H200
+    (SmolLM2-135M's four projections, 30 layers' weights in one graph; 1-256 rows,
+    results/tiles_sweep_h200.txt, then the pipelined tensor-core loop at 16 / 64 / 256 rows,
+    results/skinny_stages_h200.txt). Up to 4 rows: one program per row pair or quad on the
+    CUDA cores, the whole K in one step. 5-16: the same at 4 rows, or the smallest tensor-core
+    tiles. Beyond: tensor-core tiles with short K steps (the pipeliner keeps TC_STAGES of them
+    in flight), wider or taller with the row count."""
     whole_k = min(triton.next_power_of_2(k), gemv.FMA_MAX_K)
     if rows <= 4:
         m = triton.next_power_of_2(rows)
         return [gemv.Tiles(m, 2, whole_k, 8, True), gemv.Tiles(m, 4, whole_k, 4, True)]
     if rows <= 16:
         return [gemv.Tiles(4, 2, whole_k, 8, True), gemv.Tiles(4, 4, whole_k, 4, True),
-                gemv.Tiles(16, 16, 128, 4, False), gemv.Tiles(16, 16, 256, 8, False)]
+                gemv.Tiles(16, 16, 64, 4, False), gemv.Tiles(16, 32, 64, 4, False), gemv.Tiles(16, 16, 128, 4, False)]
     if rows <= 64:
-        return [gemv.Tiles(16, 16, 256, 8, False), gemv.Tiles(32, 16, 128, 4, False),
-                gemv.Tiles(32, 16, 256, 8, False)]
-    return [gemv.Tiles(64, 16, 128, 4, False), gemv.Tiles(64, 32, 128, 4, False), gemv.Tiles(64, 32, 256, 8, False)]
+        return [gemv.Tiles(16, 32, 64, 4, False), gemv.Tiles(16, 64, 64, 4, False), gemv.Tiles(64, 16, 128, 4, False)]
+    return [gemv.Tiles(16, 64, 64, 8, False), gemv.Tiles(64, 32, 64, 4, False), gemv.Tiles(64, 32, 128, 4, False)]
 
 
 def time_projections(model: "LlamaModel", sizes: Sequence[int], *, stream: torch.cuda.Stream | None = None,
