@@ -15,11 +15,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import gguf  # the `model` extra
+
 
 def write_tokenizer_gguf(src: str | Path, dst: str | Path) -> None:
     """Copy `src`'s metadata, not its tensors, into a new GGUF at `dst`."""
-    import gguf  # the `model` extra
-
     reader = gguf.GGUFReader(str(src))
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     writer = gguf.GGUFWriter(str(dst), arch)  # writes general.architecture itself
@@ -41,8 +41,6 @@ def write_tokenizer_gguf(src: str | Path, dst: str | Path) -> None:
 
 
 def _value(field, index: int, kind):
-    import gguf
-
     part = field.parts[index]
     if kind == gguf.GGUFValueType.STRING:
         # NOTE: a vocabulary may hold byte strings that are not valid UTF-8; surrogateescape

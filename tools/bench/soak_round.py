@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, Optional
+from typing import Any, AsyncIterator, Optional
 
 import httpx
 import msgspec

@@ -45,7 +45,7 @@ class Chunk(msgspec.Struct):
 
 
 _decode_chunk = msgspec.json.Decoder(Chunk).decode
-_HEADER_LIMIT = 1 << 16
+_HEADER_LIMIT = 1 << 16  # the longest head (or chunk-size line) a connection's reader takes
 
 
 def parse_chunk(data: bytes) -> Chunk:
@@ -125,7 +125,8 @@ class SseClient:
                 return (reader, writer, *await _read_head(reader))
             except (OSError, asyncio.IncompleteReadError):
                 writer.close()
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port), self._connect_timeout_s)
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port, limit=_HEADER_LIMIT),
+                                                self._connect_timeout_s)
         try:
             writer.write(request)
             return (reader, writer, *await _read_head(reader))
