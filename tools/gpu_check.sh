@@ -92,7 +92,7 @@ if [ "$gpus" -ge 2 ]; then  # tensor parallelism: the small preset (SmolLM2's 9 
         --json "$out/serve_tp2_llama1b.json"
 fi
 if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
-    step bench-iteration "$py" -m graphrelay.tools.cli bench iteration --out "$out"
+    step bench-iteration "$py" -m graphrelay.tools.cli bench iteration --profile --out "$out"
     step bench-kernels "$py" -m graphrelay.tools.cli bench kernels --out "$out"
     step bench-e2e "$py" -m graphrelay.tools.cli bench e2e --time-budget ${GPU_CHECK_E2E_BUDGET:-420} ${GPU_CHECK_E2E_ARGS:-} --out "$out"
     # The real model when it is here (the HTTP half below needs it: the server serves text), else

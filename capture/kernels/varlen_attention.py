@@ -79,10 +79,12 @@ def _varlen_split_kernel(
     num_splits = tl.num_programs(2)
 
     # A length past Q_TOKENS breaks the caller's contract; the clamp keeps it to the rows built.
+    # Both loads before the branch: one memory latency, not two, ahead of the slot and positions
+    # they lead to (the kernel is a chain of dependent loads at decode sizes).
     count = tl.minimum(tl.load(block_len_ptr + block).to(tl.int32), Q_TOKENS)
+    first = tl.load(block_start_ptr + block).to(tl.int64)
     if count <= 0:
         return
-    first = tl.load(block_start_ptr + block).to(tl.int64)
 
     # Row r of the dot is token r // GROUP of the block, query head r % GROUP of this KV
     # head's group; ROWS pads Q_TOKENS * GROUP to a power of two >= 16 (pad rows: past count).

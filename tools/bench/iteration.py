@@ -25,7 +25,7 @@ from graphrelay.capture.iteration.sampling import SamplingParams
 from graphrelay.capture.iteration.spans import Span, decode_span, prefill_span
 from graphrelay.capture.model.model import ModelConfig
 from graphrelay.runtime import Event
-from graphrelay.tools.bench import options, results
+from graphrelay.tools.bench import kernel_profile, options, results
 
 COMMAND = "graphrelay bench iteration"
 GREEDY = SamplingParams()
@@ -40,6 +40,8 @@ def main(argv: list[str]) -> int:
     options.add_output_options(parser, "tiny model and shapes (works on CPU): checks the code paths only")
     parser.add_argument("--model", default="smollm2-135m", help="preset, random weights (default smollm2-135m)")
     parser.add_argument("--repeats", type=options.positive_int, default=20, help="launches per shape (median)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also break each decode shape's iteration down by kernel (torch profiler)")
     try:
         args = parser.parse_args(argv)
         device = _device(args.smoke)
@@ -52,15 +54,19 @@ def main(argv: list[str]) -> int:
                                  use_graphs=device.type == "cuda"))
     capture = engine.capture()
     rows = measure(engine, scale, 2 if args.smoke else args.repeats)
+    profiles = profile_decodes(engine, scale, 2 if args.smoke else 10) if args.profile else {}
     ttft = time_to_first_token(engine, 128 // scale, 2 if args.smoke else args.repeats)
     targets = [results.Target(f"{name} GPU time", limit, "ms", True, _row(rows, name)["gpu_ms"])
                for name, limit in TARGETS_MS.items() if not args.smoke]
     targets.append(results.Target("TTFT of one 128-token prompt, idle engine", TTFT_TARGET_MS, "ms", True, ttft))
     payload = {"environment": results.environment(device, [COMMAND, *argv]), "model": "tiny" if args.smoke else args.model, "max_tokens": engine.max_tokens, "buckets": capture.buckets,
                "graph_nodes": capture.nodes, "rows": rows, "ttft_ms": ttft,
+               "kernel_profile": profiles,
                "targets": [t.as_dict() for t in targets]}
     path = results.write_json(options.out_dir(args) / "iteration_bench.json", payload)
     print(format_rows(rows, ttft))
+    for shape, profile_row in profiles.items():
+        print(kernel_profile.format_breakdown(shape, profile_row))
     for target in targets:
         print(target.line())
     print(f"wrote {path}", file=sys.stderr)
@@ -96,6 +102,19 @@ def measure(engine: Engine, scale: int, repeats: int) -> list[dict[str, Any]]:
                 [prefill_span(1, GREEDY, [7] * (512 // scale), 0, True)]
         rows.append(_time(engine, f"mixed {len(running) - 1} decodes + 512 prompt", [mixed], repeats))
     return rows
+
+
+def profile_decodes(engine: Engine, scale: int, iterations: int) -> dict[str, dict[str, Any]]:
+    """`kernel_profile.breakdown` of each decode shape's iteration (after `measure`, which
+    gave every slot a prompt)."""
+    profiles = {}
+    with engine.activate():
+        for n in DECODES:
+            decodes = [decode_span(slot, GREEDY) for slot in range(1, max(1, n // scale) + 1)]
+            engine.read(engine.launch(decodes), block=True)  # warm
+            profiles[f"decode {n}"] = kernel_profile.profile_kernels(
+                lambda: engine.read(engine.launch(decodes), block=True), iterations, engine.device)
+    return profiles
 
 
 def _budgeted(engine: Engine, spans: list[Span]) -> list[list[Span]]:
