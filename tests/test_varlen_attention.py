@@ -14,9 +14,11 @@ from attention_cases import flat_batch, naive_attention, permuted_pages, random_
 from graphrelay.capture.kernels.attention import decode_attention_reference, prefill_attention
 from graphrelay.capture.kernels.q_blocks import Q_BLOCK, max_q_blocks, q_blocks
 from graphrelay.capture.kernels.varlen_attention import (
+    DECODE_KEY_TILE,
     PAGE,
     VarlenWorkspace,
     identity_block_table,
+    key_tile,
     pick_varlen_splits,
     varlen_attention,
 )
@@ -63,7 +65,7 @@ def span_mixes(draw):
     page=st.sampled_from([8, PAGE, 32]),
     permuted=st.booleans(),
     num_splits=st.sampled_from([1, 2, 3]),
-    q_block=st.sampled_from([4, Q_BLOCK]),
+    q_block=st.sampled_from([1, 4, Q_BLOCK]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     data=st.data(),
 )
@@ -273,6 +275,22 @@ def test_the_last_split_merges_and_leaves_the_counters_zero_for_the_next_call():
                   split_tiles=1)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
         assert not workspace.done.any(), workspace.done.nonzero()
+
+
+def test_decode_blocks_that_split_walk_wide_key_tiles_and_match_the_reference():
+    """q-blocks of one token under splits take 128-key tiles (key_tile): decodes ending inside
+    the first tile, on its last key, and in the partial second tile, split 2 and 3 ways."""
+    assert key_tile(1, 2) == DECODE_KEY_TILE == 128 and key_tile(1, 1) == key_tile(Q_BLOCK, 2) == 64
+    spans = [(1, 20, 1), (2, 127, 1), (3, 128, 1), (4, 159, 1)]
+    for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, TOLERANCE[torch.bfloat16])):
+        batch, k_cache, v_cache, table = small_case(dtype=dtype, spans=spans, q_block=1)
+        expected = run(batch, k_cache, v_cache, table, backend="torch", q_block=1)
+        for num_splits in (2, 3):
+            workspace = VarlenWorkspace(len(spans), SHAPE[0], HEAD_DIM, num_splits, "cpu")
+            got = run(batch, k_cache, v_cache, table, backend="triton", num_splits=num_splits, q_block=1,
+                      workspace=workspace, split_tiles=1)
+            torch.testing.assert_close(got, expected, atol=atol, rtol=0)
+            assert not workspace.done.any()
 
 
 def test_workspace_caps_and_rejects():

@@ -61,9 +61,6 @@ FMA_MAX_K = 2048
 # 227 KB.
 TC_STAGES = 4
 TC_STAGES_FLOAT32 = 2
-# The norm prologue's sum-of-squares pass is unrolled up to this many K steps (a hidden size of
-# 2,048 at 64-element steps), so its loads are all in flight at once; a longer one loops.
-NORM_UNROLL_STEPS = 32
 EPILOGUE_NONE, EPILOGUE_RESIDUAL, EPILOGUE_SILU_MUL, EPILOGUE_ROTARY = 0, 1, 2, 3
 
 
@@ -105,18 +102,6 @@ def _prefetch_rows_to_l2(rows_ptr, row_ok, K: tl.constexpr, LINE: tl.constexpr, 
                               is_pure=False, pack=1)
 
 
-@triton.jit
-def _norm_input(x_rows, res_rows, k0, ks, row_ok, K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, dtype: tl.constexpr):
-    """One K step of the norm's input: x, plus the residual stream in the model dtype (as
-    torch's `x + residual`) when HAS_RESIDUAL."""
-    k_ok = row_ok & (k0 + ks[None, :] < K)
-    h = tl.load(x_rows + k0 + ks[None, :], mask=k_ok, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(res_rows + k0 + ks[None, :], mask=k_ok, other=0.0)
-        h = _round_to(h.to(tl.float32) + r.to(tl.float32), dtype)
-    return h
-
-
 # The row count and cache sizes vary by bucket and model: one compiled variant serves them all.
 @triton.jit(do_not_specialize=("M", "table_rows", "cache_rows", "seq_len"))
 def _skinny_linear_kernel(
@@ -144,7 +129,6 @@ def _skinny_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NORM: tl.constexpr,
-    UNROLL_NORM: tl.constexpr,  # the norm's sum-of-squares pass unrolled (at most NORM_UNROLL_STEPS K steps)
     HAS_RESIDUAL: tl.constexpr,
     EPILOGUE: tl.constexpr,
     H: tl.constexpr,  # ROTARY: q heads, KV heads, head dim (N = (H + 2 KVH) D)
@@ -195,20 +179,19 @@ def _skinny_linear_kernel(
         tl.extra.cuda.gdc_launch_dependents()
 
     if NORM:
-        # Squares summed per lane over the K steps, across lanes once at the end: a step's body
-        # is loads and FMAs only, so an unrolled pass issues every step's loads before the first
-        # is used (a cross-lane sum per step, or a loop, waited a memory latency per K step:
-        # 1.3-2.5 us a call at 16-64 rows on the H200).
-        squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-        if UNROLL_NORM:
-            for k0 in tl.static_range(0, K, BLOCK_K):
-                hf = _norm_input(x_rows, res_rows, k0, ks, row_ok, K, HAS_RESIDUAL, dtype).to(tl.float32)
-                squares += hf * hf
-        else:
-            for k0 in range(0, K, BLOCK_K):
-                hf = _norm_input(x_rows, res_rows, k0, ks, row_ok, K, HAS_RESIDUAL, dtype).to(tl.float32)
-                squares += hf * hf
-        sum_sq = tl.sum(squares, axis=1)
+        sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = row_ok & (k0 + ks[None, :] < K)
+            h = tl.load(x_rows + k0 + ks[None, :], mask=k_ok, other=0.0)
+            if HAS_RESIDUAL:
+                # The add in the model dtype, as torch's `x + residual`. One column of programs
+                # stores it; res_out is a fresh buffer, so no program reads a value another wrote.
+                r = tl.load(res_rows + k0 + ks[None, :], mask=k_ok, other=0.0)
+                h = _round_to(h.to(tl.float32) + r.to(tl.float32), dtype)
+                if pid_n == 0:
+                    tl.store(res_out_ptr + rows[:, None].to(tl.int64) * K + k0 + ks[None, :], h, mask=k_ok)
+            hf = h.to(tl.float32)
+            sum_sq += tl.sum(hf * hf, axis=1)
         # IEEE sqrt and divide, as layer_kernels' rms_norm (tl.rsqrt is approximate on the GPU).
         rstd = tl.div_rn(1.0, tl.sqrt_rn(sum_sq / K + eps))
 
@@ -216,14 +199,11 @@ def _skinny_linear_kernel(
     acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = row_ok & (k0 + ks[None, :] < K)
-        if not NORM:
-            x = tl.load(x_rows + k0 + ks[None, :], mask=k_ok, other=0.0)
-        else:
-            x = _norm_input(x_rows, res_rows, k0, ks, row_ok, K, HAS_RESIDUAL, dtype)
-            if HAS_RESIDUAL and pid_n == 0:
-                # One column of programs stores x + residual; res_out is a fresh buffer, so no
-                # program reads a value another wrote.
-                tl.store(res_out_ptr + rows[:, None].to(tl.int64) * K + k0 + ks[None, :], x, mask=k_ok)
+        x = tl.load(x_rows + k0 + ks[None, :], mask=k_ok, other=0.0)
+        if NORM:
+            if HAS_RESIDUAL:
+                r = tl.load(res_rows + k0 + ks[None, :], mask=k_ok, other=0.0)
+                x = _round_to(x.to(tl.float32) + r.to(tl.float32), dtype)
             nw = tl.load(norm_w_ptr + k0 + ks, mask=k0 + ks < K, other=0.0)
             # Llama's order: normalize in float32, round, then scale by the weight in the model dtype.
             normed = _round_to(x.to(tl.float32) * rstd[:, None], dtype)
@@ -349,7 +329,6 @@ def _launch(x, weight, out, *, n, epilogue, pdl, norm_weight=None, eps=0.0, resi
         rot.cos, rot.sin, rot.positions, rot.slots, rot.k_cache, rot.v_cache,
         m, eps, rot.cos.shape[0], cache_rows, seq_len,
         N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
-        UNROLL_NORM=triton.cdiv(k, block_k) <= NORM_UNROLL_STEPS,
         HAS_RESIDUAL=residual is not None, EPILOGUE=epilogue, H=rot.num_heads, KVH=rot.num_kv_heads, D=d,
         # NOTE: the interpreter multiplies bfloat16 dot operands as their raw uint16 bits: upcast there.
         DOT_F32=x.dtype == torch.float32 or not x.is_cuda, FMA=fma, USE_PDL=pdl,

@@ -52,6 +52,7 @@ from graphrelay.capture.kernels.attention import (
 from graphrelay.capture.kernels.pdl import pdl_supported
 from graphrelay.capture.kernels.q_blocks import Q_BLOCK, check_q_block, max_q_blocks
 
+DECODE_KEY_TILE = 128  # key tile of decode-only buckets that split (see key_tile)
 PAGE = 16  # default page size of `identity_block_table`; the kernel takes any size from the table
 # Key rows the reference gathers at once (per K and V): bounds its memory whatever T is.
 _REFERENCE_KEY_ROWS = 1 << 16
@@ -218,6 +219,15 @@ def identity_block_table(num_slots: int, max_seq_len: int, page: int = PAGE,
         raise ValueError(f"page must divide max_seq_len={max_seq_len}, got {page}")
     pages_per_slot = max_seq_len // page
     return torch.arange(num_slots * pages_per_slot, dtype=torch.int32, device=device).view(num_slots, pages_per_slot)
+
+
+def key_tile(q_block: int, num_splits: int) -> int:
+    """Keys a program walks per loop step. A decode-only bucket that splits (few rows, so few
+    programs: each walks its keys in a short chain of dependent loads) takes DECODE_KEY_TILE, the
+    rest BLOCK_N. On the H200 (SmolLM2-135M's heads, 128-1,024 keys, results/attention_tiles_h200.txt)
+    128-key tiles were 1.1-1.3 us a layer faster at 1 row and 0.4-2.6 us at 64 rows, and 0.6-6 us
+    slower at 256 rows, where one split keeps every SM busy. Static shapes only."""
+    return DECODE_KEY_TILE if q_block == 1 and num_splits > 1 else BLOCK_N
 
 
 def pick_varlen_splits(num_blocks: int, kv_heads: int, max_len: int, sm_count: int) -> int:
@@ -388,6 +398,9 @@ def _launch_triton(q, k_cache, v_cache, block_table, token_slot, token_pos, q_bl
     # each kernel overlaps the tail of the one before.
     pdl = pdl_supported(q.device)
     launch = {"launch_pdl": True} if pdl else {}
+    block = key_tile(q_block, num_splits)
+    # split_tiles counts BLOCK_N-key tiles: the same keys per split in this launch's tiles.
+    split_tiles = max(1, split_tiles * BLOCK_N // block)
     _varlen_split_kernel[(num_blocks, kv_heads, num_splits)](
         q, k_cache, v_cache, block_table, token_slot, token_pos, q_block_start, q_block_len,
         out, partial, lse, done,
@@ -395,7 +408,7 @@ def _launch_triton(q, k_cache, v_cache, block_table, token_slot, token_pos, q_bl
         block_table.stride(0), out.stride(0), num_slots, max_seq_len, scale * _LOG2E,
         NUM_HEADS=heads, GROUP=group, Q_TOKENS=q_block, ROWS=max(16, triton.next_power_of_2(q_block * group)),
         HEAD_DIM=head_dim,
-        BLOCK=BLOCK_N, PAGE=max_seq_len // block_table.shape[1], SINGLE=num_splits == 1,
+        BLOCK=block, PAGE=max_seq_len // block_table.shape[1], SINGLE=num_splits == 1,
         SPLIT_TILES=split_tiles,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NATIVE_DOT=q.is_cuda and q.dtype != torch.float32, USE_PDL=pdl,
