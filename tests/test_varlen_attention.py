@@ -67,10 +67,11 @@ def span_mixes(draw):
     num_splits=st.sampled_from([1, 2, 3]),
     q_block=st.sampled_from([1, 4, Q_BLOCK]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    settled=st.booleans(),
     data=st.data(),
 )
 def test_triton_matches_reference_and_naive_loop(spans, group, kv_heads, padding_tokens, page, permuted,
-                                                 num_splits, q_block, dtype, data):
+                                                 num_splits, q_block, dtype, settled, data):
     heads = group * kv_heads
     num_tokens = sum(length for *_, length in spans) + padding_tokens
     order = data.draw(st.permutations(range(max_q_blocks(num_tokens, len(spans), q_block))), label="block order")
@@ -84,8 +85,9 @@ def test_triton_matches_reference_and_naive_loop(spans, group, kv_heads, padding
 
     expected = run(batch, k_cache, v_cache, table, backend="torch", q_block=q_block)
     # One key tile per split: every block past its first tile splits (up to num_splits ways).
+    # settled: the metadata loads move ahead of the PDL wait (GPU only); the arithmetic is the same.
     got = run(batch, k_cache, v_cache, table, backend="triton", num_splits=num_splits, q_block=q_block,
-              split_tiles=1)
+              split_tiles=1, metadata_settled=settled)
     covered = batch["covered"]
     assert_padding_untouched(expected, covered)
     assert_padding_untouched(got, covered)

@@ -102,6 +102,16 @@ def _prefetch_rows_to_l2(rows_ptr, row_ok, K: tl.constexpr, LINE: tl.constexpr, 
                               is_pure=False, pack=1)
 
 
+@triton.jit
+def _rotary_rows(cos_ptr, sin_ptr, table, ok, D: tl.constexpr):
+    """cos and sin at a tile's columns of each head's two halves."""
+    cos_a = tl.load(cos_ptr + table, mask=ok, other=0.0)
+    sin_a = tl.load(sin_ptr + table, mask=ok, other=0.0)
+    cos_b = tl.load(cos_ptr + table + D // 2, mask=ok, other=0.0)
+    sin_b = tl.load(sin_ptr + table + D // 2, mask=ok, other=0.0)
+    return cos_a, sin_a, cos_b, sin_b
+
+
 # The row count and cache sizes vary by bucket and model: one compiled variant serves them all.
 @triton.jit(do_not_specialize=("M", "table_rows", "cache_rows", "seq_len"))
 def _skinny_linear_kernel(
@@ -178,6 +188,25 @@ def _skinny_linear_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
+    # The epilogue's inputs (residual tile; rotary positions, slots and table rows) do not
+    # depend on the product: requested now, their latency hides under the K loop instead of
+    # following it (at decode sizes the kernel is a chain of memory latencies).
+    out_ok = row_ok & idx_ok[None, :]
+    row64 = rows[:, None].to(tl.int64)
+    if EPILOGUE == 1:
+        # Each element is read and written by this program alone, so `add` may alias `out`.
+        base = tl.load(add_ptr + row64 * N + col_a[None, :], mask=out_ok, other=0.0)
+    elif EPILOGUE == 3:
+        pos = tl.load(pos_ptr + rows, mask=rows < M, other=0).to(tl.int64)
+        slot = tl.load(slot_ptr + rows, mask=rows < M, other=0).to(tl.int64)
+        # As layer_kernels' rotary kernel: a bad index writes padding row 0, nothing outside.
+        ok = (slot >= 0) & (slot < cache_rows) & (pos >= 0) & (pos < seq_len) & (pos < table_rows)
+        pos = tl.where(ok, pos, 0)
+        slot = tl.where(ok, slot, 0)
+        table = pos[:, None] * D + j[None, :]
+        if FMA:  # a one-row tile: four more rows of registers cost nothing
+            cos_a, sin_a, cos_b, sin_b = _rotary_rows(cos_ptr, sin_ptr, table, out_ok, D)
+
     if NORM:
         sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -228,23 +257,12 @@ def _skinny_linear_kernel(
                 wb = tl.load(w_b + k0 + ks[None, :], mask=w_ok_k, other=0.0)
                 acc_b = _dot(x, wb, acc_b, DOT_F32, FMA)
 
-    out_ok = row_ok & idx_ok[None, :]
-    row64 = rows[:, None].to(tl.int64)
     # The projection's own outputs, rounded as torch's matmul stores them.
     ya = _round_to(acc_a, dtype).to(tl.float32)
     yb = _round_to(acc_b, dtype).to(tl.float32)
     if EPILOGUE == 3:
-        pos = tl.load(pos_ptr + rows, mask=rows < M, other=0).to(tl.int64)
-        slot = tl.load(slot_ptr + rows, mask=rows < M, other=0).to(tl.int64)
-        # As layer_kernels' rotary kernel: a bad index writes padding row 0, nothing outside.
-        ok = (slot >= 0) & (slot < cache_rows) & (pos >= 0) & (pos < seq_len) & (pos < table_rows)
-        pos = tl.where(ok, pos, 0)
-        slot = tl.where(ok, slot, 0)
-        table = pos[:, None] * D + j[None, :]
-        cos_a = tl.load(cos_ptr + table, mask=out_ok, other=0.0)
-        sin_a = tl.load(sin_ptr + table, mask=out_ok, other=0.0)
-        cos_b = tl.load(cos_ptr + table + D // 2, mask=out_ok, other=0.0)
-        sin_b = tl.load(sin_ptr + table + D // 2, mask=out_ok, other=0.0)
+        if not FMA:  # a tensor-core tile holds its table rows only now (registers: the K loop's)
+            cos_a, sin_a, cos_b, sin_b = _rotary_rows(cos_ptr, sin_ptr, table, out_ok, D)
         # torch's ops in torch's order (x * cos + rotated * sin, rotated = cat(-x2, x1)), no FMA.
         is_qk = (head < H + KVH)[None, :]
         ra = _round_to(tl.where(is_qk, ya * cos_a + (-yb) * sin_a, ya), dtype)
@@ -265,8 +283,6 @@ def _skinny_linear_kernel(
     else:
         y = ya
         if EPILOGUE == 1:
-            # Each element is read and written by this program alone, so `add` may alias `out`.
-            base = tl.load(add_ptr + row64 * N + col_a[None, :], mask=out_ok, other=0.0)
             y = y + base.to(tl.float32)
         elif EPILOGUE == 2:
             # layer_kernels.silu_mul's math: silu rounded to the model dtype, then `* up`.

@@ -59,6 +59,53 @@ _REFERENCE_KEY_ROWS = 1 << 16
 
 
 @triton.jit
+def _tile_rows(table_row, keys, key_ok, num_pages, PAGE: tl.constexpr, CACHE: tl.constexpr):
+    """Rows of the cache viewed as `[num_slots * max_seq_len]` for a tile of logical keys, through
+    the slot's block table (a bad page reads page 0: its result is unspecified, never outside)."""
+    page = tl.load(table_row + keys // PAGE, mask=key_ok, other=0, cache_modifier=CACHE).to(tl.int64)
+    page = tl.where((page >= 0) & (page < num_pages), page, 0)
+    return page * PAGE + keys % PAGE
+
+
+@triton.jit
+def _attend_tile(q, k_base, v_base, at, keys, key_ok, pos, d, stride_kp, stride_vp, qk_scale, m, l, acc,
+                 PRECISION: tl.constexpr, NATIVE_DOT: tl.constexpr):
+    """One key tile into the running online softmax (m, l, acc) of the block's rows."""
+    k = tl.load(k_base + at[:, None] * stride_kp + d[None, :], mask=key_ok[:, None], other=0.0)
+    if NATIVE_DOT:
+        s = tl.dot(q, tl.trans(k))
+    else:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION)
+    s = tl.where(keys[None, :] <= pos[:, None], s * qk_scale, float("-inf"))  # [ROWS, BLOCK]
+    m_new = tl.maximum(m, tl.max(s, 1))
+    # A row may see no key yet: a tile past its position (earlier tokens of a prefill
+    # block, or a split that starts late) or a pad row. Shift by 0 then, so exp2 gives 0
+    # rather than exp2(-inf + inf) = NaN.
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - shift)
+    p = tl.exp2(s - shift[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + at[:, None] * stride_vp + d[None, :], mask=key_ok[:, None], other=0.0)
+    # Probabilities rounded to the value dtype, as the reference casts them for its einsum.
+    p = p.to(v.dtype)
+    if NATIVE_DOT:
+        acc = acc * alpha[:, None] + tl.dot(p, v)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision=PRECISION)
+    return m_new, l, acc
+
+
+@triton.jit
+def _wait_then_release(ON: tl.constexpr):
+    """The PDL wait for the previous kernel, then the next kernel's go-ahead. Every program
+    passes here before it ends, an early exit included: a grid that ends has then seen its
+    predecessor end (capture.kernels.pdl)."""
+    if ON:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def _varlen_split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, slot_ptr, pos_ptr, block_start_ptr, block_len_ptr,
     out_ptr, part_ptr, lse_ptr, done_ptr,
@@ -67,13 +114,18 @@ def _varlen_split_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, Q_TOKENS: tl.constexpr, ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr, SINGLE: tl.constexpr,
     SPLIT_TILES: tl.constexpr, PRECISION: tl.constexpr, NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+    SETTLED: tl.constexpr, META: tl.constexpr,
 ):
-    if USE_PDL:
-        # Every input (q, the cache, the q-blocks) comes from earlier kernels: wait for them
-        # first, then let the next kernel (the O projection streaming its weights) start
-        # filling the GPU behind this one; its own wait covers this grid's merges too.
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    # SETTLED: the caller guarantees the metadata (q-blocks, slots, positions, block table) was
+    # written two or more kernels before this one (see capture.kernels.pdl), so the chain of
+    # dependent loads from a block's length to its first tile's cache rows runs before the PDL
+    # wait, under the previous kernel's tail. Those loads go to L2 (".cg"), past an L1 that may
+    # hold the previous iteration's values (META is then ".cg"). Only q and the cache (the
+    # previous kernel appends this step's K/V) wait.
+    # Unsettled, every input (q, the cache, the q-blocks) may come from the previous kernel:
+    # wait for it first, then let the next kernel (the O projection streaming its weights)
+    # start filling the GPU behind this one; its own wait covers this grid's merges too.
+    _wait_then_release(USE_PDL and not SETTLED)
     block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -82,9 +134,10 @@ def _varlen_split_kernel(
     # A length past Q_TOKENS breaks the caller's contract; the clamp keeps it to the rows built.
     # Both loads before the branch: one memory latency, not two, ahead of the slot and positions
     # they lead to (the kernel is a chain of dependent loads at decode sizes).
-    count = tl.minimum(tl.load(block_len_ptr + block).to(tl.int32), Q_TOKENS)
-    first = tl.load(block_start_ptr + block).to(tl.int64)
-    if count <= 0:
+    count = tl.minimum(tl.load(block_len_ptr + block, cache_modifier=META).to(tl.int32), Q_TOKENS)
+    first = tl.load(block_start_ptr + block, cache_modifier=META).to(tl.int64)
+    if count <= 0:  # padding
+        _wait_then_release(USE_PDL and SETTLED)
         return
 
     # Row r of the dot is token r // GROUP of the block, query head r % GROUP of this KV
@@ -97,9 +150,9 @@ def _varlen_split_kernel(
 
     # Values are the caller's contract; clamping only keeps a bad one from reading outside
     # the cache (its result is unspecified). Rows past the block see no key (position -1).
-    slot = tl.load(slot_ptr + first).to(tl.int64)
+    slot = tl.load(slot_ptr + first, cache_modifier=META).to(tl.int64)
     slot = tl.where((slot >= 0) & (slot < num_slots), slot, 0)
-    pos = tl.load(pos_ptr + token, mask=row_ok, other=0).to(tl.int32)
+    pos = tl.load(pos_ptr + token, mask=row_ok, other=0, cache_modifier=META).to(tl.int32)
     pos = tl.where(row_ok, tl.minimum(tl.maximum(pos, 0), max_seq_len - 1), -1)
     last = tl.max(pos, 0)
     # The block's own split count: one split per SPLIT_TILES key tiles it walks, at most the
@@ -110,8 +163,16 @@ def _varlen_split_kernel(
     else:
         used = tl.minimum((last + BLOCK * SPLIT_TILES) // (BLOCK * SPLIT_TILES), num_splits)
     if split >= used:
+        _wait_then_release(USE_PDL and SETTLED)
         return
     num_pages = num_slots * (max_seq_len // PAGE)
+    table_row = table_ptr + slot * stride_table
+    # The first tile (split <= last: every used split has one) is peeled from the loop so that
+    # its cache rows are known before the wait.
+    keys = split * BLOCK + tl.arange(0, BLOCK)
+    key_ok = keys <= last
+    at = _tile_rows(table_row, keys, key_ok, num_pages, PAGE, META)
+    _wait_then_release(USE_PDL and SETTLED)
 
     # NATIVE_DOT (bf16/fp16 on a GPU): the tensor cores take the cache dtype with float32
     # accumulation. Otherwise dots run on float32 operands: bf16/fp16 values are exact in
@@ -121,41 +182,20 @@ def _varlen_split_kernel(
                 mask=row_ok[:, None], other=0.0)  # [ROWS, D]
     if not NATIVE_DOT:
         q = q.to(tl.float32)
-    table_row = table_ptr + slot * stride_table
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
 
     m = tl.full([ROWS], float("-inf"), tl.float32)  # running max, log2 units
     l = tl.zeros([ROWS], tl.float32)  # running sum of exp2(score - m)
     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-    for start in range(split * BLOCK, last + 1, used * BLOCK):
+    m, l, acc = _attend_tile(q, k_base, v_base, at, keys, key_ok, pos, d, stride_kp, stride_vp, qk_scale,
+                             m, l, acc, PRECISION, NATIVE_DOT)
+    for start in range((split + used) * BLOCK, last + 1, used * BLOCK):
         keys = start + tl.arange(0, BLOCK)
         key_ok = keys <= last
-        page = tl.load(table_row + keys // PAGE, mask=key_ok, other=0).to(tl.int64)
-        page = tl.where((page >= 0) & (page < num_pages), page, 0)
-        at = page * PAGE + keys % PAGE  # row of the cache viewed as [num_slots * max_seq_len]
-        k = tl.load(k_base + at[:, None] * stride_kp + d[None, :], mask=key_ok[:, None], other=0.0)
-        if NATIVE_DOT:
-            s = tl.dot(q, tl.trans(k))
-        else:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION)
-        s = tl.where(keys[None, :] <= pos[:, None], s * qk_scale, float("-inf"))  # [ROWS, BLOCK]
-        m_new = tl.maximum(m, tl.max(s, 1))
-        # A row may see no key yet: a tile past its position (earlier tokens of a prefill
-        # block, or a split that starts late) or a pad row. Shift by 0 then, so exp2 gives 0
-        # rather than exp2(-inf + inf) = NaN.
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - shift)
-        p = tl.exp2(s - shift[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + at[:, None] * stride_vp + d[None, :], mask=key_ok[:, None], other=0.0)
-        # Probabilities rounded to the value dtype, as the reference casts them for its einsum.
-        p = p.to(v.dtype)
-        if NATIVE_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p, v)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision=PRECISION)
-        m = m_new
+        at = _tile_rows(table_row, keys, key_ok, num_pages, PAGE, "")
+        m, l, acc = _attend_tile(q, k_base, v_base, at, keys, key_ok, pos, d, stride_kp, stride_vp, qk_scale,
+                                 m, l, acc, PRECISION, NATIVE_DOT)
 
     seen = l > 0
     o = acc / tl.where(seen, l, 1.0)[:, None]
@@ -371,7 +411,7 @@ def varlen_attention_reference(
 
 
 def _launch_triton(q, k_cache, v_cache, block_table, token_slot, token_pos, q_block_start,
-                   q_block_len, scale, out, workspace, num_splits, q_block, split_tiles):
+                   q_block_len, scale, out, workspace, num_splits, q_block, split_tiles, settled):
     num_tokens, heads, head_dim = q.shape
     num_slots, max_seq_len, kv_heads = k_cache.shape[:3]
     group = heads // kv_heads
@@ -412,6 +452,7 @@ def _launch_triton(q, k_cache, v_cache, block_table, token_slot, token_pos, q_bl
         SPLIT_TILES=split_tiles,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NATIVE_DOT=q.is_cuda and q.dtype != torch.float32, USE_PDL=pdl,
+        SETTLED=settled, META=".cg" if settled else "",
         num_warps=4, num_stages=2, **launch,
     )
     return out
@@ -423,7 +464,7 @@ def varlen_attention(
     q_block_len: torch.Tensor, *, scale: float, out: torch.Tensor,
     workspace: VarlenWorkspace | None = None, num_splits: int | None = None,
     max_len: int | None = None, q_block: int = Q_BLOCK, backend: str | None = None,
-    split_tiles: int = MIN_BLOCKS_PER_SPLIT,
+    split_tiles: int = MIN_BLOCKS_PER_SPLIT, metadata_settled: bool = False,
 ) -> torch.Tensor:
     """Attention of a flat batch of T query tokens over the paged slot cache; capturable.
 
@@ -440,6 +481,12 @@ def varlen_attention(
     caps the automatic split count to what it holds. num_splits: override the heuristic (tests).
     split_tiles: key tiles (of BLOCK_N keys) per split: a q-block walking t tiles uses
     min(ceil(t / split_tiles), num_splits) of its splits (tests lower it to split short blocks).
+    metadata_settled: promise that block_table, token_slot, token_pos and the q-blocks were
+    written two or more kernel launches before this call (not by the kernel just before it),
+    as a model's forward guarantees (its QKV kernel runs in between): under programmatic
+    dependent launch the kernel then reads them before waiting for the previous kernel
+    (`capture.kernels.pdl`). Breaking the promise makes results unspecified; without PDL it
+    changes nothing.
     """
     backend = backend or ("triton" if q.is_cuda else "torch")
     if backend == "torch":
@@ -460,4 +507,5 @@ def varlen_attention(
     if not isinstance(split_tiles, int) or isinstance(split_tiles, bool) or split_tiles < 1:
         raise ValueError(f"split_tiles must be a positive int, got {split_tiles!r}")
     return _launch_triton(q, k_cache, v_cache, block_table, token_slot, token_pos, q_block_start,
-                          q_block_len, scale, out, workspace, num_splits, q_block, split_tiles)
+                          q_block_len, scale, out, workspace, num_splits, q_block, split_tiles,
+                          bool(metadata_settled))

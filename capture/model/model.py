@@ -356,6 +356,8 @@ class LlamaModel:
                 q, self.kv_cache.keys[index], self.kv_cache.values[index], self.block_table, slots, positions,
                 q_block_start, q_block_len, scale=self.scale, workspace=self.attention_workspace, q_block=q_block,
                 max_len=max_len, out=self._attention_out(q.shape[0]),
+                # The caller wrote the metadata before this forward; the QKV kernel runs between.
+                metadata_settled=True,
             )
 
         return self._forward(ids, slots, positions, attend, embedded)

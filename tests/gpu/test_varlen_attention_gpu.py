@@ -115,29 +115,36 @@ def test_triton_matches_reference_float32(num_splits):
     torch.testing.assert_close(got, attend(batch, *cache, table, backend="torch"), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("settled", [False, True])
 @pytest.mark.parametrize("case", ["decode-1", "decode-64", "mixed"])
-def test_captured_replays_like_eager(case, cache):
+def test_captured_replays_like_eager(case, settled, cache):
     spans = CASES[case](seed=3)
     batch = flat_batch(spans, heads=HEADS, head_dim=HEAD_DIM, dtype=torch.bfloat16, device=DEVICE,
                        padding_tokens=PADDING_TOKENS)
     table = identity_block_table(NUM_SLOTS, MAX_SEQ_LEN, device=DEVICE)
     workspace = workspace_for(batch, spans)
     out = torch.zeros(batch["q"].shape[0], HEADS * HEAD_DIM, dtype=torch.bfloat16, device=DEVICE)
+    # As in the engine, the graph itself writes the step's positions and queries from staging:
+    # positions two kernels before attention, queries just before it (so a settled launch
+    # reads positions before its PDL wait and q after it).
+    staged_pos, staged_q = batch["token_pos"].clone(), batch["q"].clone()
 
     def step():
-        attend(batch, *cache, table, workspace, out=out)
+        batch["token_pos"].copy_(staged_pos)
+        batch["q"].copy_(staged_q)
+        attend(batch, *cache, table, workspace, out=out, metadata_settled=settled)
 
     graph = capture_after_warmup(step)
 
     # Same slots and span lengths (so the same q-blocks), other cached prefixes and queries,
-    # written into the captured tensors.
+    # written into the staging tensors the graph reads.
     moved = [(slot, (cached * 7 + 131) % (MAX_SEQ_LEN - length + 1), length) for slot, cached, length in spans]
     fresh = flat_batch(moved, heads=HEADS, head_dim=HEAD_DIM, dtype=torch.bfloat16, device=DEVICE,
                        padding_tokens=PADDING_TOKENS, seed=9)
     assert torch.equal(fresh["q_block_start"], batch["q_block_start"])
     assert not torch.equal(fresh["token_pos"], batch["token_pos"])
-    batch["token_pos"].copy_(fresh["token_pos"])
-    batch["q"].copy_(fresh["q"])
+    staged_pos.copy_(fresh["token_pos"])
+    staged_q.copy_(fresh["q"])
     graph.replay()
     replayed = out.clone()
     step()
