@@ -103,13 +103,34 @@ def _prefetch_rows_to_l2(rows_ptr, row_ok, K: tl.constexpr, LINE: tl.constexpr, 
 
 
 @triton.jit
-def _rotary_rows(cos_ptr, sin_ptr, table, ok, D: tl.constexpr):
-    """cos and sin at a tile's columns of each head's two halves."""
-    cos_a = tl.load(cos_ptr + table, mask=ok, other=0.0)
-    sin_a = tl.load(sin_ptr + table, mask=ok, other=0.0)
-    cos_b = tl.load(cos_ptr + table + D // 2, mask=ok, other=0.0)
-    sin_b = tl.load(sin_ptr + table + D // 2, mask=ok, other=0.0)
-    return cos_a, sin_a, cos_b, sin_b
+def _epilogue_inputs(add_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, rows, row64, col_a, out_ok, M, N,
+                     table_rows, cache_rows, seq_len, EPILOGUE: tl.constexpr, D: tl.constexpr):
+    """What the epilogue reads besides the product: the residual tile (EPILOGUE_RESIDUAL), or
+    each row's position and cache slot with cos and sin at the tile's columns of each head's two
+    halves (EPILOGUE_ROTARY); zeros for what the epilogue does not use."""
+    base = tl.zeros(out_ok.shape, tl.float32)
+    pos = tl.zeros(rows.shape, tl.int64)
+    slot = tl.zeros(rows.shape, tl.int64)
+    cos_a = base
+    sin_a = base
+    cos_b = base
+    sin_b = base
+    if EPILOGUE == 1:
+        # Each element is read and written by this program alone, so `add` may alias `out`.
+        base = tl.load(add_ptr + row64 * N + col_a[None, :], mask=out_ok, other=0.0).to(tl.float32)
+    elif EPILOGUE == 3:
+        pos = tl.load(pos_ptr + rows, mask=rows < M, other=0).to(tl.int64)
+        slot = tl.load(slot_ptr + rows, mask=rows < M, other=0).to(tl.int64)
+        # As layer_kernels' rotary kernel: a bad index writes padding row 0, nothing outside.
+        ok = (slot >= 0) & (slot < cache_rows) & (pos >= 0) & (pos < seq_len) & (pos < table_rows)
+        pos = tl.where(ok, pos, 0)
+        slot = tl.where(ok, slot, 0)
+        table = pos[:, None] * D + (col_a % D)[None, :]  # column j of the head's first half
+        cos_a = tl.load(cos_ptr + table, mask=out_ok, other=0.0)
+        sin_a = tl.load(sin_ptr + table, mask=out_ok, other=0.0)
+        cos_b = tl.load(cos_ptr + table + D // 2, mask=out_ok, other=0.0)
+        sin_b = tl.load(sin_ptr + table + D // 2, mask=out_ok, other=0.0)
+    return base, pos, slot, cos_a, sin_a, cos_b, sin_b
 
 
 # The row count and cache sizes vary by bucket and model: one compiled variant serves them all.
@@ -188,24 +209,17 @@ def _skinny_linear_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
-    # The epilogue's inputs (residual tile; rotary positions, slots and table rows) do not
-    # depend on the product: requested now, their latency hides under the K loop instead of
-    # following it (at decode sizes the kernel is a chain of memory latencies).
     out_ok = row_ok & idx_ok[None, :]
     row64 = rows[:, None].to(tl.int64)
-    if EPILOGUE == 1:
-        # Each element is read and written by this program alone, so `add` may alias `out`.
-        base = tl.load(add_ptr + row64 * N + col_a[None, :], mask=out_ok, other=0.0)
-    elif EPILOGUE == 3:
-        pos = tl.load(pos_ptr + rows, mask=rows < M, other=0).to(tl.int64)
-        slot = tl.load(slot_ptr + rows, mask=rows < M, other=0).to(tl.int64)
-        # As layer_kernels' rotary kernel: a bad index writes padding row 0, nothing outside.
-        ok = (slot >= 0) & (slot < cache_rows) & (pos >= 0) & (pos < seq_len) & (pos < table_rows)
-        pos = tl.where(ok, pos, 0)
-        slot = tl.where(ok, slot, 0)
-        table = pos[:, None] * D + j[None, :]
-        if FMA:  # a one-row tile: four more rows of registers cost nothing
-            cos_a, sin_a, cos_b, sin_b = _rotary_rows(cos_ptr, sin_ptr, table, out_ok, D)
+    if FMA:
+        # A one-row tile's epilogue inputs (residual tile; rotary positions, slots and table
+        # rows) do not depend on the product: requested now, their latency hides under the dot
+        # instead of following it (one row at a time, the kernel is a chain of memory
+        # latencies). A tensor-core tile loads them after its K loop: held through the
+        # pipelined loop they cost more than they save (H100: +2.6% at 64 decode rows).
+        base, pos, slot, cos_a, sin_a, cos_b, sin_b = _epilogue_inputs(
+            add_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, rows, row64, col_a, out_ok, M, N,
+            table_rows, cache_rows, seq_len, EPILOGUE, D)
 
     if NORM:
         sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -260,9 +274,11 @@ def _skinny_linear_kernel(
     # The projection's own outputs, rounded as torch's matmul stores them.
     ya = _round_to(acc_a, dtype).to(tl.float32)
     yb = _round_to(acc_b, dtype).to(tl.float32)
+    if not FMA:
+        base, pos, slot, cos_a, sin_a, cos_b, sin_b = _epilogue_inputs(
+            add_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, rows, row64, col_a, out_ok, M, N,
+            table_rows, cache_rows, seq_len, EPILOGUE, D)
     if EPILOGUE == 3:
-        if not FMA:  # a tensor-core tile holds its table rows only now (registers: the K loop's)
-            cos_a, sin_a, cos_b, sin_b = _rotary_rows(cos_ptr, sin_ptr, table, out_ok, D)
         # torch's ops in torch's order (x * cos + rotated * sin, rotated = cat(-x2, x1)), no FMA.
         is_qk = (head < H + KVH)[None, :]
         ra = _round_to(tl.where(is_qk, ya * cos_a + (-yb) * sin_a, ya), dtype)
@@ -283,7 +299,7 @@ def _skinny_linear_kernel(
     else:
         y = ya
         if EPILOGUE == 1:
-            y = y + base.to(tl.float32)
+            y = y + base
         elif EPILOGUE == 2:
             # layer_kernels.silu_mul's math: silu rounded to the model dtype, then `* up`.
             silu = _round_to(tl.div_rn(ya, 1.0 + tl.exp(-ya)), dtype)
