@@ -61,6 +61,7 @@ def test_concurrent_streams_with_disconnects_leave_no_slot_behind(server):
             if i % 10 == 0 and chunks == 4:
                 await stream.close()  # every tenth client goes away mid-stream
                 return None
+            # (a tenth client whose sampled answer ends within 3 chunks finishes instead)
             if chunk.choices and chunk.choices[0].finish_reason:
                 reasons.append(chunk.choices[0].finish_reason)
         return reasons
@@ -70,6 +71,7 @@ def test_concurrent_streams_with_disconnects_leave_no_slot_behind(server):
         return await asyncio.gather(*(one(client, i) for i in range(64)))
 
     results = asyncio.run(burst())
-    finished = [r for r in results if r is not None]
-    assert len(finished) == 64 - 7 and all(r in (["stop"], ["length"]) for r in finished)
+    gone = [i for i, r in enumerate(results) if r is None]
+    assert gone and all(i % 10 == 0 for i in gone)  # only tenth clients leave, and some did
+    assert all(r in (["stop"], ["length"]) for r in results if r is not None)
     wait_until_idle(server)
