@@ -9,11 +9,11 @@ weight) may be issued before it. A kernel calls `gdc_launch_dependents()` to let
 kernel start early; one that never calls it lets the next start when it ends, as without PDL.
 
 Every program of every kernel here calls it only after its own wait, and waits before it ends
-even when it has nothing to do, so a kernel that ends has seen its predecessor end, and when a
-kernel starts, the kernel two launches back has finished and its writes are in L2: a value written that far back (a step's
-metadata, written by the iteration prologue) may be read before the wait, bypassing L1
-(`cache_modifier=".cg"`), where the caller guarantees the distance (varlen attention's
-`metadata_settled`).
+even when it has nothing to do. So a kernel that ends has seen its predecessor end, and when a
+kernel starts, the kernel two launches back has finished with its writes in L2: a value written
+that far back (a step's metadata, written by the iteration prologue) may be read before the
+wait, bypassing L1 (`cache_modifier=".cg"`), where the caller guarantees the distance (varlen
+attention's `metadata_settled`).
 """
 
 from __future__ import annotations

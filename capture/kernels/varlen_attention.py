@@ -116,15 +116,14 @@ def _varlen_split_kernel(
     SPLIT_TILES: tl.constexpr, PRECISION: tl.constexpr, NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr,
     SETTLED: tl.constexpr, META: tl.constexpr,
 ):
-    # SETTLED: the caller guarantees the metadata (q-blocks, slots, positions, block table) was
-    # written two or more kernels before this one (see capture.kernels.pdl), so the chain of
-    # dependent loads from a block's length to its first tile's cache rows runs before the PDL
-    # wait, under the previous kernel's tail. Those loads go to L2 (".cg"), past an L1 that may
-    # hold the previous iteration's values (META is then ".cg"). Only q and the cache (the
-    # previous kernel appends this step's K/V) wait.
     # Unsettled, every input (q, the cache, the q-blocks) may come from the previous kernel:
     # wait for it first, then let the next kernel (the O projection streaming its weights)
     # start filling the GPU behind this one; its own wait covers this grid's merges too.
+    # SETTLED: the caller guarantees the metadata (q-blocks, slots, positions, block table) was
+    # written two or more kernels before this one (capture.kernels.pdl), so the chain of
+    # dependent loads from a block's length to its first tile's cache rows runs before the
+    # wait, under the previous kernel's tail, from L2 (META ".cg": L1 may hold the previous
+    # iteration's values). Only q and the cache (this step's K/V, just appended) wait.
     _wait_then_release(USE_PDL and not SETTLED)
     block = tl.program_id(0)
     kv_head = tl.program_id(1)
