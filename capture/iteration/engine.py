@@ -10,6 +10,7 @@ cuda-python.
 from __future__ import annotations
 
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Optional, Sequence
 
 import msgspec
@@ -28,6 +29,7 @@ from graphrelay.capture.iteration.step import CONTROLS, PLAIN, IterationStep
 from graphrelay.capture.model.linear_plan import LinearPlan
 from graphrelay.capture.model.memory_plan import MemoryPlan, check_fits, plan_memory
 from graphrelay.capture.model.model import LlamaModel, ModelConfig, ModelWeights
+from graphrelay.capture.model.plan_file import load_or_measure
 from graphrelay.capture.parallel.tensor_parallel import Command, LaunchCommand, StopCommand, TensorParallel
 from graphrelay.capture.serving.sync_count import HostSyncCounter
 from graphrelay import FieldSpec, Relay, RelayConfig
@@ -192,16 +194,21 @@ class Engine:
         `launch` refuses to run outside it."""
         return torch.cuda.stream(self.torch_stream) if self.on_gpu else nullcontext()
 
-    def capture(self, plan: LinearPlan | None = None) -> CaptureReport:
+    def capture(self, plan: LinearPlan | None = None, plan_file: Path | None = None) -> CaptureReport:
         """Warm up and capture every token bucket, then restart the mirror at iteration 0.
         plan: the projection backends to use; None measures them on this GPU (twins that must
-        agree bit for bit share one plan, since timings choose by noise where backends tie)."""
+        agree bit for bit share one plan, since timings choose by noise where backends tie).
+        plan_file: read the plan from this file, or measure and write it there when it does
+        not exist (`plan_file`: another process of this shape then launches the same kernels)."""
+        if plan is not None and plan_file is not None:
+            raise ValueError("Engine.capture takes a plan or a plan_file, not both")
         with self.activate():
             if plan is None:
                 # Projection backends per token bucket, timed on this GPU before anything is
                 # captured (only where a skinny GEMM can win; larger buckets keep cuBLAS).
                 small = [b for b in self.runner.buckets if b <= SKINNY_ROWS]
-                plan = LinearPlan.measured(self.model, small, stream=self.torch_stream)
+                plan = (LinearPlan.measured(self.model, small, stream=self.torch_stream) if plan_file is None
+                        else load_or_measure(plan_file, self.model, small, stream=self.torch_stream))
             self.model.plan = plan
             report = self.runner.capture()
         self.mirror.reset()

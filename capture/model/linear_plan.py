@@ -169,9 +169,7 @@ class LinearPlan:
             return cls.fixed("torch")  # no bucket small enough for a skinny GEMM to win: cuBLAS
         # Timings depend on shapes alone: a process that builds several engines of one shape
         # (tests, twins that must agree bit for bit) measures once.
-        c = model.shard
-        key = (model.device, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
-               c.dtype, len(model.layers), tuple(sorted(set(sizes))))
+        key = (model.device, *model_shape(model).values(), tuple(sorted(set(sizes))))
         if key not in _MEASURED:
             _MEASURED[key] = cls.from_timings(time_projections(model, sizes, stream=stream))
         return _MEASURED[key]
@@ -193,6 +191,14 @@ class LinearPlan:
         """The entry points for a forward of `rows` rows. reduce: applied to a pending
         (torch-path) O / down output, e.g. the tensor-parallel all-reduce."""
         return LayerOps(self.backends(rows), eps, reduce, self.pdl, self.tiles_for(rows))
+
+
+def model_shape(model: "LlamaModel") -> dict[str, int | str]:
+    """What the timings depend on besides the GPU and the row counts: the (shard's) shapes."""
+    c = model.shard
+    return {"hidden_size": c.hidden_size, "num_heads": c.num_heads, "num_kv_heads": c.num_kv_heads,
+            "head_dim": c.head_dim, "intermediate_size": c.intermediate_size, "dtype": c.dtype,
+            "layers": len(model.layers)}
 
 
 # ----------------------------------------------------------------------------------------------

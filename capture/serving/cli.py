@@ -18,6 +18,7 @@ from typing import Optional
 import msgspec
 import torch
 
+from graphrelay.capture.files import write_atomically
 from graphrelay.capture.model.checkpoint import ENV_VAR
 from graphrelay.capture.iteration.controls.grammar import GrammarCompiler, tokenizer_strings, vocabulary
 from graphrelay.capture.iteration.controls.state import ControlsConfig
@@ -88,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {ControlsConfig().grammar_states}; each costs 4 bytes per vocabulary token)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks: spawns one process per GPU (NCCL; gloo on --device cpu); default 1")
+    p.add_argument("--kernel-plan", type=Path, default=None, metavar="FILE",
+                   help="the projection kernels measured at start-up: read from FILE when it exists, else measured "
+                        "and written there, so every start with FILE launches the same kernels and greedy outputs "
+                        "repeat bit for bit (default: measured at each start)")
     p.add_argument("--json", type=Path, help="also write the summary (and outputs) as JSON to this path")
     http = p.add_argument_group("HTTP server (OpenAI-compatible API; --port turns it on instead of a workload run)")
     http.add_argument("--port", type=int, default=None, help="serve /v1/completions, /v1/chat/completions, /v1/models, /health")
@@ -274,6 +279,13 @@ def _check_serve_args(parser: argparse.ArgumentParser, args) -> None:
         if args.top_k > args.max_top_k:
             raise ValueError(f"--top-k {args.top_k} is above --max-top-k {args.max_top_k}, the engine's top-k width; "
                              f"lower --top-k (0 = no cut) or raise --max-top-k")
+    if args.kernel_plan is not None:
+        if args.tp > 1:
+            raise ValueError("--kernel-plan pins the one-GPU projection kernels; tensor parallelism runs cuBLAS "
+                             "throughout: drop --kernel-plan or --tp")
+        if args.kernel_plan.is_dir() or not args.kernel_plan.parent.is_dir():
+            raise ValueError(f"--kernel-plan {args.kernel_plan}: give a file path in an existing folder (the plan "
+                             f"is read from it, or written there when it does not exist)")
     if args.gguf is None and args.tp > 1:
         ModelConfig.preset(args.model).shard(args.tp)  # a preset's heads must split (a --gguf file's are checked once read)
 
@@ -312,7 +324,7 @@ def _serve(args) -> int:
         _set_grammar_compiler(engine, loaded)
         loop = ServingLoop(engine, args.mode)
         loop.check_requests(requests)
-        capture = engine.capture()
+        capture = engine.capture(plan_file=args.kernel_plan)
         progress = None if args.quiet else (
             lambda s: say(f"  iter {s['iterations']:6d} | running {s['running']:3d} | done {s['done']:4d} | "
                           f"waiting {s['pending']:4d} | {s['elapsed_s']:6.1f} s")
@@ -438,7 +450,7 @@ def build_http_loop(args, device: torch.device, loaded: Optional[LoadedModel] = 
     say(f"graphrelay serve: model {loaded.source} ({loaded.config.dtype}), mode {args.mode}, device {device}"
         f"{'' if config.use_graphs else ' (no CUDA graphs)'}; capturing"
         f"{' in the engine process' if _in_engine_process(args) else ''}")
-    engine.capture()
+    engine.capture(plan_file=args.kernel_plan)
     return ServingLoop(engine, args.mode)
 
 
@@ -503,17 +515,6 @@ def check_output_path(path: Path) -> None:
         raise ValueError(f"--json {path} is a directory; give a file path")
     if not path.parent.is_dir():
         raise ValueError(f"--json {path}: the folder {path.parent} does not exist; create it first")
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """Write to a temporary file beside `path`, then rename: a failed write leaves no half file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_bytes(data)
-        tmp.replace(path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"cannot write {path}: {exc.strerror}") from None
 
 
 def format_summary(result: LoopResult, capture_s: float, graph_bytes: int) -> str:

@@ -161,3 +161,21 @@ def test_engine_capture_plans_every_bucket_before_capturing():
     plan = engine.model.plan
     assert sorted(plan.choices) == [1, 4]
     assert all(set(choice) == set(PROJECTIONS) for choice in plan.choices.values())
+
+
+def test_a_plan_file_gives_a_second_engine_the_first_ones_kernels(tmp_path):
+    """A plan measured on this GPU (tilings included), written by one engine and read by another
+    of the same shape: the same choices and tilings (the CPU tests check that a read measures
+    nothing)."""
+    path = tmp_path / "plan.json"
+    config = EngineConfig(ModelConfig.preset("tiny"), max_reqs=4, max_batch=4, device="cuda", buckets=(1, 4, 16),
+                          max_tokens=16)
+    first = Engine(config)
+    first.capture(plan_file=path)
+    record = json.loads(path.read_text())
+    assert record["gpu"] == torch.cuda.get_device_name() and record["rows"] == [1, 4, 16]
+    second = Engine(config)
+    second.capture(plan_file=path)
+    a, b = first.model.plan, second.model.plan
+    assert (a.choices, a.tiles, a.default) == (b.choices, b.tiles, b.default)
+    assert sorted(b.choices) == [1, 4, 16]

@@ -1,12 +1,22 @@
 """The real model in bf16 on the GPU, through captured graphs, against transformers' own GGUF
-load in bf16: the first 16 greedy tokens of every test prompt must match; beyond that, bf16
-near-ties may flip a token (different GEMM shapes round differently), so the first divergence
-per prompt is printed for the report, with the two candidates' logit gap.
+load in bf16: each of the first 16 greedy tokens of every test prompt must be transformers'
+greedy choice given the same prefix (ours), or tie with it at bf16's resolution: at most
+TIE_STEPS bf16 steps below it.
+
+Why a tie is allowed: each side rounds each logit to bf16 (half a step), so two logits within
+two steps of each other can swap order between two correct bf16 implementations (other GEMM
+tilings, other GPUs); either token is then a correct greedy answer. Seen: prompt 2's 13th token ties exactly (gap 0.0)
+in transformers' teacher-forced bf16 logits on the H200 while float32 prefers the other token
+by 0.05; the H100 took float32's token, the H200 transformers'. Checking each token under our
+own prefix keeps every later token checked too (a bare prefix comparison stops at a flip).
+The first divergence from transformers' own generation is printed for the report.
 
 The GGUF comes from `$GRAPHRELAY_GGUF` or the installed package (tools/gpu_check.sh).
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -27,6 +37,7 @@ PROMPTS = (
 )
 NEW_TOKENS = 32
 MUST_MATCH = 16
+TIE_STEPS = 2  # bf16 steps (at the top logit's magnitude) a tied token may sit below the top one
 
 
 def test_bf16_graph_tokens_match_transformers():
@@ -47,8 +58,6 @@ def test_bf16_graph_tokens_match_transformers():
         expected.append(out.sequences[0, x.shape[1]:].tolist())
         top2 = [s[0].float().topk(2).values for s in out.scores]
         gaps.append([float(v[0] - v[1]) for v in top2])
-    del hf
-    torch.cuda.empty_cache()
 
     config, weights = read_gguf(path, max_seq_len=256, dtype="bfloat16")
     engine = Engine(EngineConfig(config, max_reqs=3, max_batch=4, max_tokens=256, device="cuda"), weights=weights)
@@ -61,6 +70,24 @@ def test_bf16_graph_tokens_match_transformers():
         got = result.outputs[str(i)].tokens
         first = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
         where = "identical" if first is None else f"first divergence at token {first} (HF top-2 logit gap there {gaps[i][first]:.4f})"
-        print(f"prompt {i}: {where}; ours {codec.decode(got)!r}")
-        assert got[:MUST_MATCH] == want[:MUST_MATCH], f"prompt {i}: {where}"
+        # transformers' bf16 logits at each of our positions, given our tokens before it
+        x = torch.tensor([prompts[i] + got], device="cuda")
+        with torch.no_grad():
+            logits = hf(x).logits[0, len(prompts[i]) - 1:][:MUST_MATCH].float()
+        best = logits.max(dim=-1).values
+        short = best - logits.gather(1, torch.tensor(got[:MUST_MATCH], device="cuda")[:, None])[:, 0]
+        ties = []
+        for j, (top, behind) in enumerate(zip(best.tolist(), short.tolist())):
+            if behind > 0:
+                assert behind <= TIE_STEPS * bf16_step(top), (
+                    f"prompt {i} token {j}: ours is {behind:.4f} below transformers' greedy choice given the same "
+                    f"prefix (one bf16 step there: {bf16_step(top)}); {where}")
+                ties.append((j, round(behind, 4)))
+        print(f"prompt {i}: {where}; bf16 ties taken the other way within {MUST_MATCH} tokens: {ties or 'none'}; "
+              f"ours {codec.decode(got)!r}")
     assert "Paris" in codec.decode(result.outputs["0"].tokens)
+
+
+def bf16_step(value: float) -> float:
+    """The spacing of bf16 numbers at `value`'s magnitude (8 significant bits)."""
+    return 2.0 ** (math.floor(math.log2(abs(value))) - 7) if value else 2.0 ** -133
