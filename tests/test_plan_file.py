@@ -19,7 +19,9 @@ from graphrelay.capture.serving.cli import serve_main
 TINY = ModelConfig.preset("tiny")
 MIXED = {"qkv": "triton", "o": "torch", "gate_up": "triton", "down": "triton"}
 FMA, DOT = gemv.Tiles(2, 4, 64, 4, True), gemv.Tiles(16, 32, 64, 4, False)
-PLAN = LinearPlan({1: MIXED, 16: dict.fromkeys(PROJECTIONS, "torch")}, tiles={1: {"qkv": FMA, "down": DOT}})
+SWAPPED = gemv.Tiles(16, 64, 64, 4, False, early=True, swap=True)
+PLAN = LinearPlan({1: MIXED, 16: dict.fromkeys(PROJECTIONS, "torch")},
+                  tiles={1: {"qkv": FMA, "gate_up": SWAPPED, "down": DOT}})
 
 
 @pytest.fixture
@@ -47,8 +49,18 @@ def test_a_missing_file_is_measured_and_written_then_read_back_without_measuring
     assert record["gpu"] == "cpu" and record["rows"] == [1, 2, 16] and record["shape"]["layers"] == TINY.num_layers
     again = plan_file.load_or_measure(path, model, [1, 2, 16])
     assert measured == [[16, 1, 2]]  # not measured again
-    assert same_plan(again, PLAN) and again.tiles_for(1) == {"qkv": FMA, "down": DOT}
-    assert isinstance(again.tiles_for(1)["qkv"], gemv.Tiles)
+    assert same_plan(again, PLAN) and again.tiles_for(1) == {"qkv": FMA, "gate_up": SWAPPED, "down": DOT}
+    assert all(isinstance(tiles, gemv.Tiles) for tiles in again.tiles_for(1).values())
+
+
+def test_a_file_from_before_the_tiling_flags_reads_them_as_off(tmp_path, measured):
+    """Files written before `early` and `swap` existed list five fields per tiling."""
+    path, model = tmp_path / "plan.json", LlamaModel(TINY, 2, "cpu")
+    plan_file.load_or_measure(path, model, [1, 16])
+    record = json.loads(path.read_text())
+    record["tiles"] = {"1": {"down": [16, 32, 64, 4, False]}}
+    path.write_text(json.dumps(record))
+    assert plan_file.load_plan(path, model, [1, 16]).tiles_for(1) == {"down": DOT}
 
 
 @pytest.mark.parametrize("change,what", [

@@ -28,7 +28,8 @@ its weight rows, so the fetch overlaps the previous kernel's tail; nothing an ea
 writes is read, and nothing is written, before the wait. Each program then lets the next
 kernel launch. Off under the interpreter and on GPUs or Triton builds without it. The
 tensor-core tiles' K loop is software-pipelined by Triton (`TC_STAGES` deep), x and weights
-alike.
+alike. A swapped tile (`Tiles.swap`) runs the same loop as `w @ x.T`: the weight rows take the
+dot's M side, which Hopper's warpgroup MMA needs in steps of 64, however few the x rows.
 
 Backends as in `layer_kernels`: "triton" (default for CUDA tensors) or "torch", the unfused
 path (layer_kernels' rms_norm / silu_mul / rotary_and_cache_write on their default backend
@@ -80,12 +81,17 @@ class Rotary(NamedTuple):
 
 
 @triton.jit
-def _dot(x, w, acc, DOT_F32: tl.constexpr, FMA: tl.constexpr):
-    """acc + x @ w.T. A 16-bit dot accumulates exact products in float32, so upcasting first
-    and summing in float32 is the same computation. FMA (a one-row tile): products and a sum
-    over K in float32 on the CUDA cores; a tensor-core dot pads the row to 16."""
+def _dot(x, w, acc, DOT_F32: tl.constexpr, FMA: tl.constexpr, SWAP: tl.constexpr):
+    """acc + x @ w.T (SWAP: acc + w @ x.T, the transposed product). A 16-bit dot accumulates
+    exact products in float32, so upcasting first and summing in float32 is the same
+    computation. FMA (a one-row tile): products and a sum over K in float32 on the CUDA cores;
+    a tensor-core dot pads the row to 16."""
     if FMA:
         return acc + tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    elif SWAP and DOT_F32:
+        return tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+    elif SWAP:
+        return tl.dot(w, tl.trans(x), acc)
     elif DOT_F32:
         return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
     else:
@@ -167,6 +173,8 @@ def _skinny_linear_kernel(
     D: tl.constexpr,
     DOT_F32: tl.constexpr,  # a float32 IEEE dot (float32 inputs, or the interpreter: see _launch)
     FMA: tl.constexpr,  # one row per program, no tensor-core dot (see _launch)
+    EARLY: tl.constexpr,  # epilogue inputs requested before the product (Tiles.early; always with FMA)
+    SWAP: tl.constexpr,  # the tensor-core product as w @ x.T (Tiles.swap)
     USE_PDL: tl.constexpr,
     LINE: tl.constexpr,  # weight elements per 128-byte line
     LINES: tl.constexpr,  # next power of two >= the lines of one weight row
@@ -211,12 +219,12 @@ def _skinny_linear_kernel(
 
     out_ok = row_ok & idx_ok[None, :]
     row64 = rows[:, None].to(tl.int64)
-    if FMA:
-        # A one-row tile's epilogue inputs (residual tile; rotary positions, slots and table
-        # rows) do not depend on the product: requested now, their latency hides under the dot
-        # instead of following it (one row at a time, the kernel is a chain of memory
-        # latencies). A tensor-core tile loads them after its K loop: held through the
-        # pipelined loop they cost more than they save (H100: +2.6% at 64 decode rows).
+    if EARLY:
+        # The epilogue inputs (residual tile; rotary positions, slots and table rows) do not
+        # depend on the product: requested now, their latency hides under the dot instead of
+        # following it (one row at a time, the kernel is a chain of memory latencies). Held
+        # through a tensor-core tile's pipelined loop they may cost more than they save (H100:
+        # +2.6% at 64 decode rows, -6% at 256), so there it is a tiling the start-up plan times.
         base, pos, slot, cos_a, sin_a, cos_b, sin_b = _epilogue_inputs(
             add_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, rows, row64, col_a, out_ok, M, N,
             table_rows, cache_rows, seq_len, EPILOGUE, D)
@@ -238,8 +246,12 @@ def _skinny_linear_kernel(
         # IEEE sqrt and divide, as layer_kernels' rms_norm (tl.rsqrt is approximate on the GPU).
         rstd = tl.div_rn(1.0, tl.sqrt_rn(sum_sq / K + eps))
 
-    acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP:
+        acc_a = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_b = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = row_ok & (k0 + ks[None, :] < K)
         x = tl.load(x_rows + k0 + ks[None, :], mask=k_ok, other=0.0)
@@ -252,9 +264,9 @@ def _skinny_linear_kernel(
             normed = _round_to(x.to(tl.float32) * rstd[:, None], dtype)
             x = _round_to(nw[None, :].to(tl.float32) * normed.to(tl.float32), dtype)
         if FMA:
-            acc_a = _dot(x, wa, acc_a, DOT_F32, FMA)
+            acc_a = _dot(x, wa, acc_a, DOT_F32, FMA, SWAP)
             if EPILOGUE >= 2:
-                acc_b = _dot(x, wb, acc_b, DOT_F32, FMA)
+                acc_b = _dot(x, wb, acc_b, DOT_F32, FMA, SWAP)
             # The next step's weight tile (fully masked, so no traffic, after the last step).
             next_ok = w_ok & (k0 + BLOCK_K + ks[None, :] < K)
             wa = tl.load(w_a + k0 + BLOCK_K + ks[None, :], mask=next_ok, other=0.0)
@@ -266,15 +278,18 @@ def _skinny_linear_kernel(
             # waiting a memory latency for x: 1.2-2x slower at 16-256 rows on the H200).
             w_ok_k = w_ok & (k0 + ks[None, :] < K)
             wa = tl.load(w_a + k0 + ks[None, :], mask=w_ok_k, other=0.0)
-            acc_a = _dot(x, wa, acc_a, DOT_F32, FMA)
+            acc_a = _dot(x, wa, acc_a, DOT_F32, FMA, SWAP)
             if EPILOGUE >= 2:
                 wb = tl.load(w_b + k0 + ks[None, :], mask=w_ok_k, other=0.0)
-                acc_b = _dot(x, wb, acc_b, DOT_F32, FMA)
+                acc_b = _dot(x, wb, acc_b, DOT_F32, FMA, SWAP)
 
+    if SWAP:
+        acc_a = tl.trans(acc_a)
+        acc_b = tl.trans(acc_b)
     # The projection's own outputs, rounded as torch's matmul stores them.
     ya = _round_to(acc_a, dtype).to(tl.float32)
     yb = _round_to(acc_b, dtype).to(tl.float32)
-    if not FMA:
+    if not EARLY:
         base, pos, slot, cos_a, sin_a, cos_b, sin_b = _epilogue_inputs(
             add_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, rows, row64, col_a, out_ok, M, N,
             table_rows, cache_rows, seq_len, EPILOGUE, D)
@@ -310,14 +325,21 @@ def _skinny_linear_kernel(
 class Tiles(NamedTuple):
     """One launch's tiling: rows, output features and K elements per program and loop step,
     warps, and whether the product runs on the CUDA cores (FMA) rather than as a tensor-core
-    dot (which needs block_m, block_n, block_k >= 16). Each distinct Tiles compiles its own
-    kernel variant."""
+    dot (which needs block_m, block_n, block_k >= 16). `early`: a tensor-core tile requests its
+    epilogue inputs (residual tile, rotary positions and cache rows) before its K loop rather
+    than after it (FMA tiles always do). `swap`: a tensor-core tile computes the transposed
+    product, weight rows as the dot's M side and the x rows as its N side: Hopper's warpgroup
+    MMA takes M in 64-row steps, so a tile of fewer than 64 x rows needs the weight on that
+    side to use it (the tile's accumulator is transposed back once, after the K loop). Each
+    distinct Tiles compiles its own kernel variant."""
 
     block_m: int
     block_n: int
     block_k: int
     warps: int
     fma: bool
+    early: bool = False
+    swap: bool = False
 
 
 def default_tiles(m: int, k: int) -> Tiles:
@@ -339,8 +361,12 @@ def check_tiles(tiles: object) -> Tiles:
     sizes = (tiles.block_m, tiles.block_n, tiles.block_k)
     if any(not isinstance(v, int) or v < 1 or v & (v - 1) for v in sizes + (tiles.warps,)):
         raise ValueError(f"tiles sizes and warps must be powers of two, got {tiles}")
+    if not all(isinstance(flag, bool) for flag in (tiles.fma, tiles.early, tiles.swap)):
+        raise ValueError(f"tiles fma, early and swap must be bools, got {tiles}")
     if not tiles.fma and min(sizes) < 16:
         raise ValueError(f"a tensor-core tile needs block_m, block_n, block_k >= 16, got {tiles}; or set fma=True")
+    if tiles.fma and tiles.swap:
+        raise ValueError(f"swap transposes a tensor-core product; an FMA tile has none, got {tiles}")
     return tiles
 
 
@@ -349,7 +375,7 @@ def _launch(x, weight, out, *, n, epilogue, pdl, norm_weight=None, eps=0.0, resi
     m, k = x.shape
     if tiles is None:
         tiles = default_tiles(m, k)
-    block_m, block_n, block_k, warps, fma = check_tiles(tiles)
+    block_m, block_n, block_k, warps, fma, early, swap = check_tiles(tiles)
     tile_cols = n // 2 if epilogue == EPILOGUE_ROTARY else n
     rot = rotary or Rotary(x, x, x, x, x, x, 0, 0)
     d = rot.k_cache.shape[3] if rotary else 2
@@ -363,7 +389,8 @@ def _launch(x, weight, out, *, n, epilogue, pdl, norm_weight=None, eps=0.0, resi
         N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
         HAS_RESIDUAL=residual is not None, EPILOGUE=epilogue, H=rot.num_heads, KVH=rot.num_kv_heads, D=d,
         # NOTE: the interpreter multiplies bfloat16 dot operands as their raw uint16 bits: upcast there.
-        DOT_F32=x.dtype == torch.float32 or not x.is_cuda, FMA=fma, USE_PDL=pdl,
+        DOT_F32=x.dtype == torch.float32 or not x.is_cuda, FMA=fma, EARLY=fma or early, SWAP=swap,
+        USE_PDL=pdl,
         LINE=128 // weight.element_size(), LINES=triton.next_power_of_2(triton.cdiv(k * weight.element_size(), 128)),
         num_warps=warps, **({} if fma else {"num_stages": TC_STAGES if x.element_size() <= 2 else TC_STAGES_FLOAT32}),
         # a*b + c*d contracted to an FMA would round the rotation differently from torch.

@@ -17,10 +17,11 @@ import torch
 from graphrelay.capture.iteration.engine import Engine, EngineConfig
 from graphrelay.capture.kernels import gemv
 from graphrelay.capture.kernels.pdl import pdl_supported
-from graphrelay.capture.model.linear_plan import BACKENDS, PROJECTIONS, LinearPlan, time_projections
+from graphrelay.capture.model.linear_plan import BACKENDS, PROJECTIONS, LinearPlan, candidate_tiles, time_projections
 from graphrelay.capture.model.model import LlamaModel, ModelConfig
 from graphrelay.tools.bench import bench_main
-from test_gemv import check_linear_residual, check_norm_gate_up_silu, check_norm_linear, check_norm_qkv_rotary, inputs
+from test_gemv import (check_early_equals_late, check_linear_residual, check_norm_gate_up_silu, check_norm_linear,
+                       check_norm_qkv_rotary, inputs)
 from test_layer_kernels import EPS, SMOL, rotary_case
 
 pytestmark = pytest.mark.gpu
@@ -179,3 +180,26 @@ def test_a_plan_file_gives_a_second_engine_the_first_ones_kernels(tmp_path):
     a, b = first.model.plan, second.model.plan
     assert (a.choices, a.tiles, a.default) == (b.choices, b.tiles, b.default)
     assert sorted(b.choices) == [1, 4, 16]
+
+
+@pytest.mark.parametrize("rows", [80, 256])
+def test_early_epilogue_tiles_change_no_bit(rows):
+    """The start-up plan may pick a tensor-core tiling with its epilogue inputs requested before
+    the K loop: the same bits as the tiling without."""
+    for tiles in candidate_tiles(rows, SMOL.hidden):
+        if tiles.early:
+            check_early_equals_late(DEVICE, BF16, rows, SMOL.hidden, tiles)
+
+
+@pytest.mark.parametrize("rows", [8, 40, 256])
+def test_every_candidate_tiling_equals_unfused_at_smollm2_shape(rows):
+    """Each tiling the start-up plan may pick (swapped and early ones included) compiles on this
+    GPU and computes each projection as the unfused path does."""
+    for tiles in candidate_tiles(rows, SMOL.hidden):
+        check_norm_qkv_rotary(DEVICE, BF16, rows, SMOL.hidden, SMOL, with_residual=False, cache_rows=9, seq_len=64,
+                              tiles=tiles)
+        check_norm_gate_up_silu(DEVICE, BF16, rows, SMOL.hidden, SMOL.inter, with_residual=True, tiles=tiles)
+    for tiles in candidate_tiles(rows, SMOL.heads * SMOL.head_dim):
+        check_linear_residual(DEVICE, BF16, rows, SMOL.heads * SMOL.head_dim, SMOL.hidden, tiles=tiles)
+    for tiles in candidate_tiles(rows, SMOL.inter):
+        check_linear_residual(DEVICE, BF16, rows, SMOL.inter, SMOL.hidden, tiles=tiles)
