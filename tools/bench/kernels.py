@@ -103,5 +103,6 @@ def run(config: ModelConfig, rows: list[int], command: list[str], out, *, smoke:
 def _tiles_text(tiles: dict | None) -> str:
     if tiles is None:
         return "default"
-    kind = "fma" if tiles["fma"] else "dot"
-    return f"{kind} {tiles['block_m']}x{tiles['block_n']}x{tiles['block_k']} w{tiles['warps']}"
+    kind = "fma" if tiles["fma"] else "dot swap" if tiles.get("swap") else "dot"
+    early = " early" if tiles.get("early") and not tiles["fma"] else ""
+    return f"{kind} {tiles['block_m']}x{tiles['block_n']}x{tiles['block_k']} w{tiles['warps']}{early}"
