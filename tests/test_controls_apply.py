@@ -186,6 +186,19 @@ def test_triton_kernels_equal_the_torch_reference():
     assert torch.isinf(want).any() and not torch.equal(want, logits)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_logits_are_controlled_as_their_float32_values(dtype):
+    """The step hands the controls the LM head's own 16-bit output: both backends give what
+    they give for its exact float32 widening, bit for bit."""
+    logits = (torch.randn(5, VOCAB) * 3).to(dtype)
+    slots, steps = [1, 2, 0, 1, 2], [4, 6, 0, 9, 7]
+    for backend in ("torch", "triton"):
+        want = run_apply(random_controls(backend), logits.float(), slots, steps)
+        got = run_apply(random_controls(backend), logits, slots, steps)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=backend)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_a_verify_span_row_sees_what_plain_decoding_would_after_its_drafts(backend):
     """Row j of a span, with drafts 0..j-1 counted and the automaton advanced past them, gets

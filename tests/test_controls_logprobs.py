@@ -62,6 +62,19 @@ def test_triton_write_equals_torch(seed, n, width, vocab, iteration, kind):
     assert torch.equal(triton_channel.host["ids"][iteration % DEPTH, :n], stable_top_ids(logits, width))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_logits_give_the_logprobs_of_their_float32_values(dtype):
+    """The step writes logprobs from the LM head's own 16-bit output (ties are common there)."""
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(4, CHUNK + 300, generator=g) * 4).to(dtype)
+    tokens = torch.randint(0, logits.shape[1], (4,), generator=g)
+    row_slots = torch.tensor([1, 2, 0, 3], dtype=torch.int32)
+    for got, want in zip(write_both(logits, tokens, row_slots, 1, 5), write_both(logits.float(), tokens, row_slots, 1, 5)):
+        for name in ("values", "ids", "slots", "stamps"):  # ring slots not written stay nan in both
+            torch.testing.assert_close(got.host[name], want.host[name], rtol=0, atol=0, equal_nan=True,
+                                       msg=f"{got.backend} {name}")
+
+
 def test_minus_zero_ties_plus_zero_lowest_id_first():
     """round() leaves -0.0 beside 0.0: equal values, so the lower id comes first whichever sign
     (the chunk's cut at `width` must not prefer +0.0: the second launch never sees what it drops)."""

@@ -27,9 +27,9 @@ from controls_cases import (EOS, REGEX, SCHEMA, SEEDED, STRINGS, VARIANTS, alway
 MODEL = ModelConfig.preset("tiny")
 
 
-def make_engine(controls=True, spec=None, max_reqs=6, max_batch=4) -> Engine:
+def make_engine(controls=True, spec=None, max_reqs=6, max_batch=4, model=MODEL) -> Engine:
     tokens = 8 * (spec.rows if spec else 1)
-    engine = Engine(EngineConfig(MODEL, max_reqs=max_reqs, max_batch=max_batch, max_tokens=tokens, buckets=(tokens,),
+    engine = Engine(EngineConfig(model, max_reqs=max_reqs, max_batch=max_batch, max_tokens=tokens, buckets=(tokens,),
                                  spec=spec, controls=ControlsConfig(max_bias=4, max_stop=2, grammar_states=512)
                                  if controls else None))
     if controls:
@@ -109,19 +109,23 @@ def serve(engine: Engine, requests, mode: str):
             for rid, out in ServingLoop(engine, mode).run(requests).outputs.items()}
 
 
-@pytest.mark.parametrize("mode", ["overlap", "no-overlap", "eager"])
-def test_served_outputs_equal_always_controlled_and_uncontrolled_ones_equal_no_controls(mode):
+@pytest.mark.parametrize("mode,dtype", [("overlap", "float32"), ("no-overlap", "float32"), ("eager", "float32"),
+                                        ("overlap", "bfloat16")])
+def test_served_outputs_equal_always_controlled_and_uncontrolled_ones_equal_no_controls(mode, dtype):
     """Through the serving loop (3 slots for 8 requests, so a slot goes from a controlled
     request to an uncontrolled one and back, starting clean each time), every output equals
     the always-controlled engine's, and uncontrolled requests' equal an engine without
-    controls, while both variants run."""
+    controls, while both variants run. In bf16 both variants read the LM head's bf16 output as
+    float32 values: the plain one samples it, the controls one edits a float32 copy."""
     requests = mixed_requests()
-    engine = make_engine(max_reqs=3, max_batch=2)
+    model = msgspec_replace(MODEL, dtype=dtype)
+    engine = make_engine(max_reqs=3, max_batch=2, model=model)
+    assert engine.runner.step.logits.dtype == model.torch_dtype  # what both variants read
     ran = record_variants(engine)
     got = serve(engine, requests, mode)
     assert {PLAIN, CONTROLS} <= set(ran), f"both variants must run for this to test anything: {ran}"
-    assert got == serve(always_controlled(make_engine(max_reqs=3, max_batch=2)), requests, "eager")
-    bare = serve(make_engine(controls=False, max_reqs=3, max_batch=2),
+    assert got == serve(always_controlled(make_engine(max_reqs=3, max_batch=2, model=model)), requests, "eager")
+    bare = serve(make_engine(controls=False, max_reqs=3, max_batch=2, model=model),
                  [r for r in requests if r.controls is None], mode)
     assert {rid: got[rid] for rid in bare} == bare
 

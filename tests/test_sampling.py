@@ -91,22 +91,27 @@ def test_triton_tokens_equal_torch(bs, vocab, max_top_k, chunk):
     assert (out[:, 0] == -1).all()
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(
     bs=st.integers(1, 3),
     vocab=st.integers(1, 150),
     max_top_k=st.integers(1, 80),
     chunk=st.sampled_from([16, 64, 4096]),
     quantize=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
     data_seed=st.integers(0, 2**16),
 )
-def test_triton_tokens_equal_torch_property(bs, vocab, max_top_k, chunk, quantize, data_seed):
-    """Random shapes and parameters, with many tied logits when quantized."""
+def test_triton_tokens_equal_torch_property(bs, vocab, max_top_k, chunk, quantize, dtype, data_seed):
+    """Random shapes and parameters, with many tied logits when quantized. 16-bit logits (the
+    engine samples a 16-bit model's LM head output as it is) give, in both backends, the tokens
+    of their exact float32 widening."""
     logits = 3 * random_logits(bs, vocab, seed=data_seed)
     if quantize:
         logits = logits.round()
+    logits = logits.to(dtype)
     temperature, top_k, top_p, seeds, steps = mixed_params(bs, vocab, seed=data_seed)
-    reference = sample(logits, temperature, top_k, seeds, steps, max_top_k=max_top_k, top_p=top_p)
+    reference = sample(logits.float(), temperature, top_k, seeds, steps, max_top_k=max_top_k, top_p=top_p)
+    assert torch.equal(sample(logits, temperature, top_k, seeds, steps, max_top_k=max_top_k, top_p=top_p), reference)
     out = torch.empty(bs, dtype=torch.int64)
     fused = sample_triton(logits, temperature, top_k, top_p, seeds, steps, out, min(max_top_k, vocab), chunk=chunk)
     assert torch.equal(fused, reference)
@@ -361,7 +366,8 @@ def test_sample_rejects_bad_metadata():
     logits = random_logits(2, 10)
     temperature, top_k, seeds, steps = rows(2)
     cases = [
-        (dict(logits=logits.double()), "logits must be float32"),
+        (dict(logits=logits.double()), r"logits must be \[bs, vocab\] of \['torch.float32', 'torch.bfloat16'"),
+        (dict(logits=logits[0]), r"logits must be \[bs, vocab\]"),
         (dict(temperature=temperature.double()), "temperature must be"),
         (dict(top_k=torch.zeros(3, dtype=torch.int32)), "top_k must be"),
         (dict(top_p=torch.ones(2, dtype=torch.float64)), "top_p must be"),

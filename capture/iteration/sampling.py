@@ -29,6 +29,9 @@ _INT64_RANGE = (-(2**63), 2**63 - 1)
 # logit gaps would divide into NaN) and one below 2**-149 rounds to 0, silently greedy.
 MIN_TEMPERATURE = 2.0**-126
 BACKENDS = ("torch", "triton")
+# A model's 16-bit LM head output is sampled as it is: widening to float32 is exact, so the
+# sampler reads it and widens in registers (the float32 copy would be one more [bs, vocab] pass).
+LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -173,10 +176,11 @@ def sample(
 ) -> torch.Tensor:
     """Pick one token per row: tokens [bs] int64.
 
-    logits [bs, V] float32 (each row with a finite max); temperature [bs] float32 (<= 0 =
-    greedy); top_k [bs] int32/int64 (0 or >= V = no cut); top_p [bs] float32 (>= 1 = no cut;
-    None = no cut in any row); seeds, steps [bs] int32/int64. A request should pass a step that
-    differs at every decode step, e.g. its seq len. Capturable: only metadata is checked.
+    logits [bs, V] float32, bfloat16 or float16 (sampled as their exact float32 values; each
+    row with a finite max); temperature [bs] float32 (<= 0 = greedy); top_k [bs] int32/int64
+    (0 or >= V = no cut); top_p [bs] float32 (>= 1 = no cut; None = no cut in any row); seeds,
+    steps [bs] int32/int64. A request should pass a step that differs at every decode step,
+    e.g. its seq len. Capturable: only metadata is checked.
 
     A greedy row takes the argmax (the first index among equal maxima). A sampled row, with
     s_1 >= s_2 >= ... its logits sorted (ties repeated) and W = min(max_top_k, V) (V when
@@ -200,8 +204,9 @@ def sample(
     summed in another order, which flips a token only when two perturbed scores, or a
     cumulative probability and top_p, are within about 1e-6 of each other.
     """
-    if logits.dim() != 2 or logits.dtype != torch.float32:
-        raise ValueError(f"sample logits must be float32 [bs, vocab], got {logits.dtype} {tuple(logits.shape)}")
+    if logits.dim() != 2 or logits.dtype not in LOGIT_DTYPES:
+        raise ValueError(f"sample logits must be [bs, vocab] of {[str(d) for d in LOGIT_DTYPES]}, got "
+                         f"{logits.dtype} {tuple(logits.shape)}")
     bs, vocab_size = logits.shape
     rows = {"temperature": (temperature, (torch.float32,)), "top_k": (top_k, (torch.int32, torch.int64))}
     if top_p is not None:
@@ -234,5 +239,5 @@ def sample(
             raise ValueError("sample backend 'triton' needs logits rows contiguous (stride(1) == 1)")
         out = out if out is not None else torch.empty(bs, dtype=torch.int64, device=logits.device)
         return sample_triton(logits, temperature, top_k, top_p, seeds, steps, out, width)
-    tokens = _sample_torch(logits, temperature, top_k, top_p, seeds, steps, width)
+    tokens = _sample_torch(logits.float(), temperature, top_k, top_p, seeds, steps, width)
     return tokens if out is None else out.copy_(tokens)

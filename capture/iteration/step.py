@@ -5,7 +5,8 @@
         `capture.kernels.iteration_prologue`)
         -> [speculation: token history, n-gram drafts into the verify spans, then the embedding]
         -> model layers over all T tokens (prefill chunks, decode rows, verify spans)
-        -> LM head only at the sampled rows -> [controls: penalties, bias, min_tokens, grammar]
+        -> LM head only at the sampled rows (in the model's dtype, read as float32 from here on)
+        -> [controls: penalties, bias, min_tokens, grammar]
         -> sampling -> [speculation: accept the leading drafts the target agrees with]
         -> [controls: counts, automaton states, logprobs of the emitted rows that asked]
         -> relay stash + publish -> host-mirror write (one launch on CUDA without speculation:
@@ -99,7 +100,10 @@ class IterationStep:
         self.fused_epilogue = self.prologue.backend == "triton" and spec is None
         if self.fused_epilogue:
             check_fusable(relay, mirror)
-        self.logits = torch.zeros((rows, model.config.vocab_size), dtype=torch.float32, device=device)
+        # The LM head's output as the GEMM writes it, in the model's dtype: the sampler, the
+        # controls and the logprobs read it as float32 values (widening is exact), so no float32
+        # copy of [rows, vocab] is made (the controls write theirs, edited, into their own buffer).
+        self.logits = torch.zeros((rows, model.config.vocab_size), dtype=model.config.torch_dtype, device=device)
         self.target = torch.zeros(rows, dtype=torch.int64, device=device)
         self.columns = torch.arange(per, device=device)  # [k + 1]
         if spec is not None:

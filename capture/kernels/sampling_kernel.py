@@ -152,7 +152,7 @@ def _chunk_kernel(
     slot = row * tl.num_programs(0) + chunk  # this program's [bs, chunks] entry
     offs = chunk * CHUNK + tl.arange(0, CHUNK)  # [CHUNK]
     live = offs < vocab
-    x = tl.load(logits_ptr + row * logits_stride + offs, mask=live, other=float("-inf"))
+    x = tl.load(logits_ptr + row * logits_stride + offs, mask=live, other=float("-inf")).to(tl.float32)
     chunk_max, chunk_arg = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
     tl.store(chunk_max_ptr + slot, chunk_max)
     # Clamped: a NaN row's argmax may land on a masked lane, and no id may leave the vocabulary.
@@ -222,7 +222,7 @@ def _gumbel_kernel(
         reachable = tl.math.div_rn(own_max - top, temperature) + _NOISE_MAX >= _NOISE_MIN
         if (own_max >= threshold) & reachable:
             offs = chunk * CHUNK + tl.arange(0, CHUNK)  # [CHUNK]
-            x = tl.load(logits_ptr + row * logits_stride + offs, mask=offs < vocab, other=float("-inf"))
+            x = tl.load(logits_ptr + row * logits_stride + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
             key = _row_key(tl.load(seeds_ptr + row * seeds_stride), tl.load(steps_ptr + row * steps_stride))
             bits = _hash32(key ^ _hash32(offs.to(tl.uint32)))
             # 23 random bits + 0.5, exact in float32: u strictly inside (0, 1).
@@ -269,7 +269,8 @@ def sample_triton(
 ) -> torch.Tensor:
     """Write one token per row into `out` [bs] int64 and return it: three launches.
 
-    logits [bs, V] float32 with contiguous rows; the [bs] params and `width` (the ranked
+    logits [bs, V] float32, or 16-bit (widened exactly as they are read), with contiguous
+    rows; the [bs] params and `width` (the ranked
     width, <= MAX_RANKED) as `capture.sampling.sample` takes and checks them. `chunk` (a
     power of 2) is the logits per program; tests shrink it to cut a small vocabulary into
     several chunks.

@@ -25,7 +25,7 @@ class MemoryPlan(msgspec.Struct, frozen=True):
 def plan_memory(c: ModelConfig, max_reqs: int, max_tokens: int, sampled_rows: int) -> MemoryPlan:
     """Bytes for `max_reqs` slots and iterations of up to `max_tokens` tokens with up to
     `sampled_rows` sampled rows. Activations are counted generously (every layer's widest
-    tensor, float32 logits)."""
+    tensor; the LM head's output and a float32 copy of it, as the controls make)."""
     item = c.torch_dtype.itemsize
     per_layer = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.hidden_size * c.num_heads * c.head_dim
     per_layer += 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
@@ -33,7 +33,7 @@ def plan_memory(c: ModelConfig, max_reqs: int, max_tokens: int, sampled_rows: in
     weights = (c.num_layers * per_layer + embeddings + c.hidden_size) * item
     kv_cache = 2 * c.num_layers * (max_reqs + 1) * c.max_seq_len * c.num_kv_heads * c.head_dim * item
     widest = max(2 * c.intermediate_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size)
-    buffers = max_tokens * 4 * widest * item + sampled_rows * c.vocab_size * 4
+    buffers = max_tokens * 4 * widest * item + sampled_rows * c.vocab_size * (item + 4)
     return MemoryPlan(weights, kv_cache, buffers)
 
 

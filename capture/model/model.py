@@ -371,10 +371,14 @@ class LlamaModel:
         return torch.zeros(tokens, c.num_heads * c.head_dim, dtype=c.torch_dtype, device=self.device)
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """LM head over the rows that sample: [n, vocab] float32 (into `out` when given: the
-        copy casts, one graph node fewer than casting first; widening to float32 is exact)."""
+        """LM head over the rows that sample: [n, vocab] float32, or into `out` when given:
+        float32 (the copy casts, one graph node fewer than casting first; widening to float32
+        is exact) or the model's dtype (the GEMM writes it: no copy at all; the sampler widens
+        it as it reads)."""
         if out is None:
             return self._logits(hidden)
+        if out.dtype == self.lm_head.dtype:
+            return torch.matmul(hidden, self.lm_head.T, out=out)
         return out.copy_(hidden @ self.lm_head.T)
 
     @torch.no_grad()

@@ -1,6 +1,7 @@
 """The fused Triton sampler on the GPU at the real vocabulary (SmolLM2's 49152): the same tokens
-as the torch reference on the same device, and a captured CUDA graph of the sampler whose
-replays, after the logits and params are rewritten in place, equal eager calls."""
+as the torch reference on the same device, bf16 logits as their float32 values, and a captured
+CUDA graph of the sampler whose replays, after the logits and params are rewritten in place,
+equal eager calls."""
 
 from __future__ import annotations
 
@@ -50,6 +51,17 @@ def test_triton_matches_torch_at_full_vocab(bs, max_top_k):
         greedy = params["temperature"] == 0
         assert torch.equal(fused[greedy], logits.argmax(-1)[greedy])
     assert mismatches == 0, f"{mismatches} of {total} rows differ between the triton and torch samplers"
+
+
+@pytest.mark.parametrize("bs", [1, 256])
+def test_bf16_logits_sample_as_their_float32_values(bs):
+    """The engine's plain step samples the LM head's bf16 output directly: the fused sampler
+    gives the tokens of its exact float32 widening (bf16 makes near-ties and ties common)."""
+    gen = torch.Generator().manual_seed(bs + 1)
+    for _ in range(4):
+        logits = (4 * torch.randn(bs, VOCAB, generator=gen)).to(torch.bfloat16).cuda()
+        params = random_params(bs, gen)
+        assert torch.equal(call(logits, params, "triton", MAX_TOP_K), call(logits.float(), params, "triton", MAX_TOP_K))
 
 
 def test_captured_sampler_replays_equal_eager():

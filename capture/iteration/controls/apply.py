@@ -43,7 +43,8 @@ class ControlTables(NamedTuple):
 
 
 def apply_torch(tables, logits, row_slots, row_steps, row_states, out, row_drafts=None):
-    """The reference: plain torch ops, any device."""
+    """The reference: plain torch ops, any device. 16-bit logits count as their float32 values."""
+    logits = logits.float()
     slots = row_slots.long()
     vocab = logits.shape[1]
     token = torch.arange(vocab, device=logits.device)
@@ -81,7 +82,7 @@ def _dense_kernel(logits_ptr, logits_stride, out_ptr, out_stride, slots_ptr, ste
     pres = tl.load(penalties_ptr + slot * 3 + 1)
     rep = tl.load(penalties_ptr + slot * 3 + 2)
     stopping = step < tl.load(eos_until_ptr + slot)
-    x = tl.load(logits_ptr + row * logits_stride + tokens, mask=valid, other=0.0)
+    x = tl.load(logits_ptr + row * logits_stride + tokens, mask=valid, other=0.0).to(tl.float32)
     # A row whose controls leave its logits as they are (no penalty, the automaton's
     # all-allowed state 0, min_tokens reached; its bias is the second launch's): each step
     # below would return x exactly, so it is a copy, without reading its counts and masks

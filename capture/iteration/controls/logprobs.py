@@ -66,7 +66,8 @@ class TokenLogprobs(msgspec.Struct, frozen=True):
 
 def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, width: int = MAX_LOGPROBS) -> tuple[torch.Tensor, torch.Tensor]:
     """(values [n, 1 + width] float32: sampled token's logprob then the top `width`; ids
-    [n, width] int64). Fixed shape, capturable."""
+    [n, width] int64), from 16-bit logits as their float32 values. Fixed shape, capturable."""
+    logits = logits.float()
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
     top = logits.topk(width, dim=-1)
     sampled = logits.gather(1, tokens.long()[:, None])

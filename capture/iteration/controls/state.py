@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 import msgspec
 import torch
 
+from graphrelay.capture.iteration.sampling import LOGIT_DTYPES
 from graphrelay.runtime import to_device_async
 
 from .apply import PROMPT_BIT, ControlTables, apply_torch, apply_triton, span_row_drafts
@@ -211,12 +212,15 @@ class SamplingControls:
 
     def apply(self, logits: torch.Tensor, row_slots: torch.Tensor, row_steps: torch.Tensor,
               row_states: torch.Tensor, row_drafts: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Controlled logits [n, V] float32 in a static buffer; `logits` stays raw. Only
-        metadata is checked (capturable)."""
+        """Controlled logits [n, V] float32 in a static buffer; `logits` (float32, or the
+        model's 16-bit LM head output, read as its float32 values) stays raw. Only metadata is
+        checked (capturable)."""
         n = logits.shape[0]
-        if logits.dtype != torch.float32 or logits.shape[1] != self.vocab_size or logits.stride(1) != 1 or n > self.max_rows:
-            raise ValueError(f"SamplingControls.apply takes float32 logits [n <= {self.max_rows}, {self.vocab_size}] with "
-                             f"contiguous rows, got {logits.dtype} {tuple(logits.shape)} strides {logits.stride()}")
+        if (logits.dtype not in LOGIT_DTYPES or logits.shape[1] != self.vocab_size or logits.stride(1) != 1
+                or n > self.max_rows):
+            raise ValueError(f"SamplingControls.apply takes logits [n <= {self.max_rows}, {self.vocab_size}] of "
+                             f"{[str(d) for d in LOGIT_DTYPES]} with contiguous rows, got {logits.dtype} "
+                             f"{tuple(logits.shape)} strides {logits.stride()}")
         return self._apply(self.tables, logits, row_slots, row_steps, row_states, self.logits_out[:n], row_drafts)
 
     def observe(self, row_slots: torch.Tensor, tokens: torch.Tensor, row_states: torch.Tensor,
