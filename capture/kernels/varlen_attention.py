@@ -72,6 +72,10 @@ def _attend_tile(q, k_base, v_base, at, keys, key_ok, pos, d, stride_kp, stride_
                  PRECISION: tl.constexpr, NATIVE_DOT: tl.constexpr):
     """One key tile into the running online softmax (m, l, acc) of the block's rows."""
     k = tl.load(k_base + at[:, None] * stride_kp + d[None, :], mask=key_ok[:, None], other=0.0)
+    # V is requested with K, not after the scores: a decode row's only tile then waits one
+    # memory latency for both instead of two in a row (the dot's shared-memory barrier keeps
+    # the compiler from hoisting a later load above it).
+    v = tl.load(v_base + at[:, None] * stride_vp + d[None, :], mask=key_ok[:, None], other=0.0)
     if NATIVE_DOT:
         s = tl.dot(q, tl.trans(k))
     else:
@@ -85,7 +89,6 @@ def _attend_tile(q, k_base, v_base, at, keys, key_ok, pos, d, stride_kp, stride_
     alpha = tl.exp2(m - shift)
     p = tl.exp2(s - shift[:, None])
     l = l * alpha + tl.sum(p, 1)
-    v = tl.load(v_base + at[:, None] * stride_vp + d[None, :], mask=key_ok[:, None], other=0.0)
     # Probabilities rounded to the value dtype, as the reference casts them for its einsum.
     p = p.to(v.dtype)
     if NATIVE_DOT:
