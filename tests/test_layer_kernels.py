@@ -212,6 +212,27 @@ def test_rms_norm_fills_out_and_updates_the_residual_in_place(backend):
     assert torch.equal(out, lk.rms_norm(x, weight, EPS, backend=backend))
 
 
+@pytest.mark.parametrize("backend", lk.BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_rms_norm_of_chosen_rows_equals_the_norm_of_those_rows(backend, dtype, with_residual):
+    """The model's last norm gathers the rows that sample in its own node: each output row is,
+    bit for bit, the norm of its row (of x + residual), in the rows' order, repeats included;
+    x and residual are left as they were."""
+    gen = torch.Generator().manual_seed(2)
+    x, residual = (randn(gen, 9, SMOL.hidden, dtype=dtype, device="cpu") for _ in range(2))
+    weight = randn(gen, SMOL.hidden, dtype=dtype, device="cpu")
+    before = (x.clone(), residual.clone())
+    res = residual if with_residual else None
+    full = lk.rms_norm(x, weight, EPS, residual=res, backend=backend)
+    full = full[0] if with_residual else full
+    for rows in (torch.tensor([8, 0, 3, 3]), torch.tensor([5], dtype=torch.int32), torch.arange(9)):
+        out = torch.full((rows.shape[0], SMOL.hidden), float("nan"), dtype=dtype)
+        got = lk.rms_norm(x, weight, EPS, residual=res, rows=rows, out=out, backend=backend)
+        assert got is out and torch.equal(got, full[rows.long()]), rows.tolist()
+    assert torch.equal(x, before[0]) and torch.equal(residual, before[1])
+
+
 @DTYPES
 @SHAPES
 @pytest.mark.parametrize("n", [1, 3, 17])
@@ -344,6 +365,15 @@ BAD_CALLS = {
                                                  residual_out=torch.randn(2, 8), backend=b), "needs residual"),
     "unknown backend": (lambda b: lk.rms_norm(torch.randn(2, 8), torch.ones(8), EPS, backend="cuda"),
                         "backend must be"),
+    "float rows": (lambda b: lk.rms_norm(torch.randn(2, 8), torch.ones(8), EPS, rows=torch.zeros(1), backend=b),
+                   "rows must be a 1-d int32/int64"),
+    "rows with residual_out": (lambda b: lk.rms_norm(torch.randn(2, 8), torch.ones(8), EPS, residual=torch.randn(2, 8),
+                                                     residual_out=torch.randn(2, 8),
+                                                     rows=torch.zeros(1, dtype=torch.int64), backend=b),
+                               "keeps no residual_out"),
+    "rows out shape": (lambda b: lk.rms_norm(torch.randn(2, 8), torch.ones(8), EPS,
+                                             rows=torch.zeros(3, dtype=torch.int64), out=torch.zeros(2, 8),
+                                             backend=b), r"rms_norm out must be .* of shape \[3, 8\]"),
     "qkv width": (lambda b: lk.rotary_and_cache_write(**_rotary_args(qkv=torch.randn(2, 20)), backend=b),
                   "qkv width 20"),
     "kv heads": (lambda b: lk.rotary_and_cache_write(**_rotary_args(num_kv_heads=2), backend=b), "k_cache must be"),

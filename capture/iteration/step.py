@@ -135,8 +135,8 @@ class IterationStep:
         if self.spec is not None:
             drafts = self._draft(v, R, slots, positions, base)
         hidden = self.model.forward(v.ids[:tokens], slots, positions, v.q_block_start, v.q_block_len, g.q_block,
-                                    key_bound=self.key_bound, embedded=placed.embedded)
-        logits = self.model.logits(hidden.index_select(0, v.row_token), out=self.logits[: g.rows])
+                                    key_bound=self.key_bound, embedded=placed.embedded, rows=v.row_token)
+        logits = self.model.logits(hidden, out=self.logits[: g.rows])
 
         def per_row(t: torch.Tensor) -> torch.Tensor:
             return span_values_per_row(t, R, per)

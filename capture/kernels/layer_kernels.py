@@ -99,19 +99,29 @@ def _round_to(v, ty: tl.constexpr):
         return v.to(ty)
 
 
-@triton.jit
+# One compiled variant for every row count (n only bounds a gathered row index).
+@triton.jit(do_not_specialize=("n",))
 def _rms_norm_kernel(
     x_ptr,  # [n, HIDDEN]
     res_ptr,  # [n, HIDDEN] residual (unused unless HAS_RESIDUAL)
     w_ptr,  # [HIDDEN]
-    out_ptr,  # [n, HIDDEN] normed
-    res_out_ptr,  # [n, HIDDEN] x + residual (unused unless HAS_RESIDUAL); may alias x or residual
+    out_ptr,  # [m, HIDDEN] normed (m = n without GATHER)
+    res_out_ptr,  # [n, HIDDEN] x + residual (HAS_RESIDUAL and not GATHER); may alias x or residual
+    rows_ptr,  # [m] the rows of x to normalize (GATHER)
+    n,
     eps,
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,  # next power of two >= HIDDEN: one program holds a whole row
     HAS_RESIDUAL: tl.constexpr,
+    GATHER: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64) * HIDDEN
+    dst = tl.program_id(0).to(tl.int64) * HIDDEN
+    if GATHER:
+        # An index outside x reads row 0: its result is unspecified, never memory outside.
+        src_row = tl.load(rows_ptr + tl.program_id(0)).to(tl.int64)
+        row = tl.where((src_row >= 0) & (src_row < n), src_row, 0) * HIDDEN
+    else:
+        row = dst
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
     dtype = out_ptr.dtype.element_ty
@@ -121,14 +131,15 @@ def _rms_norm_kernel(
         # is stored after it is loaded, so residual_out may alias x or the residual.
         r = tl.load(res_ptr + row + cols, mask=mask, other=0.0)
         h = _round_to(h.to(tl.float32) + r.to(tl.float32), dtype)
-        tl.store(res_out_ptr + row + cols, h, mask=mask)
+        if not GATHER:
+            tl.store(res_out_ptr + row + cols, h, mask=mask)
     hf = h.to(tl.float32)
     mean_sq = tl.sum(hf * hf, axis=0) / HIDDEN
     # IEEE sqrt and divide, as torch's CPU rsqrt (tl.rsqrt is an approximation on the GPU).
     rstd = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))
     normed = _round_to(hf * rstd, dtype)  # `.to(x.dtype)` before the weight, Llama's order
     w = tl.load(w_ptr + cols, mask=mask)
-    tl.store(out_ptr + row + cols, _round_to(w.to(tl.float32) * normed.to(tl.float32), dtype), mask=mask)
+    tl.store(out_ptr + dst + cols, _round_to(w.to(tl.float32) * normed.to(tl.float32), dtype), mask=mask)
 
 
 # pos and slot are one scalar per row: their alignment buys nothing, and prefill passes rows of
@@ -219,6 +230,7 @@ def rms_norm(
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x `[n, hidden]`, normalized in float32 and scaled in the model dtype.
@@ -228,28 +240,46 @@ def rms_norm(
     `(rms_norm(h), h)`, so the residual add before a norm costs no node of its own.
     `out` / `residual_out` receive the results; `residual_out` may alias `x` or `residual`
     (an in-place residual update). weight `[hidden]` has x's dtype.
+
+    rows `[m]` int32/int64 (each in 0..n-1): normalize only those rows, in that order, into
+    `[m, hidden]`: `rms_norm(x[rows] (+ residual[rows]))` in one node with the gather (the
+    model's last norm over the rows that sample); returns the normed rows alone (no
+    residual_out: the sum is not kept).
     """
     n, hidden = _expect_2d("rms_norm x", x)
     shape, dtypes = (n, hidden), (x.dtype,)
     _expect("rms_norm x", x, shape, dtypes, x.device)
     _expect("rms_norm weight", weight, (hidden,), dtypes, x.device)
-    for name, t in (("residual", residual), ("out", out), ("residual_out", residual_out)):
+    if rows is not None:
+        if rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64) or rows.device != x.device:
+            raise ValueError(f"rms_norm rows must be a 1-d int32/int64 tensor on {x.device}, got {rows.dtype} "
+                             f"{tuple(rows.shape)} on {rows.device}")
+        if residual_out is not None:
+            raise ValueError("rms_norm with rows keeps no residual_out (the gathered sum is not written); drop it")
+    out_shape = shape if rows is None else (rows.shape[0], hidden)
+    for name, t, want in (("residual", residual, shape), ("out", out, out_shape), ("residual_out", residual_out, shape)):
         if t is not None:
-            _expect(f"rms_norm {name}", t, shape, dtypes, x.device)
+            _expect(f"rms_norm {name}", t, want, dtypes, x.device)
     if residual is None and residual_out is not None:
         raise ValueError("rms_norm residual_out needs residual (it receives x + residual)")
     if _pick_backend(backend, x) == "torch":
+        if rows is not None:
+            x, residual = x.index_select(0, rows), None if residual is None else residual.index_select(0, rows)
+            normed = _rms_norm_torch(x, weight, eps, residual, out, None)
+            return normed if residual is None else normed[0]
         return _rms_norm_torch(x, weight, eps, residual, out, residual_out)
 
-    out = torch.empty_like(x) if out is None else out
-    if residual is not None and residual_out is None:
+    out = x.new_empty(out_shape) if out is None else out
+    if residual is not None and residual_out is None and rows is None:
         residual_out = torch.empty_like(x)
     block = triton.next_power_of_2(hidden)
-    _rms_norm_kernel[(n,)](
+    _rms_norm_kernel[(out_shape[0],)](
         x, x if residual is None else residual, weight, out, out if residual_out is None else residual_out,
-        eps, HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=_num_warps(block),
+        x if rows is None else rows, n,
+        eps, HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, GATHER=rows is not None,
+        num_warps=_num_warps(block),
     )
-    return out if residual is None else (out, residual_out)
+    return out if residual is None or rows is not None else (out, residual_out)
 
 
 def _rms_norm_torch(x, weight, eps, residual, out, residual_out):

@@ -21,7 +21,7 @@ The layer stack threads the residual `stream` and a pending `update` (None once 
         update, stream = ops.o(attention(q), stream, layer)
         act, stream = ops.gate_up(update, stream, layer)
         update, stream = ops.down(act, stream, layer)
-    hidden = ops.final_norm(update, stream, final_norm)
+    hidden = ops.final_norm(update, stream, final_norm)  # or final_norm(..., rows): those rows only
 
 Every combination of backends computes the same values as the all-torch stack up to the
 order of float32 sums; all-torch is op for op what the model ran before the plan existed.
@@ -91,9 +91,12 @@ class LayerOps:
         """-> (pending update or None, stream)."""
         return self._projection("down", act, layer.down, stream)
 
-    def final_norm(self, update, stream, weight: torch.Tensor) -> torch.Tensor:
+    def final_norm(self, update, stream, weight: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The last norm, of every row or (rows) of those rows alone, gathered in the same node."""
         if update is None:
-            return kernels.rms_norm(stream, weight, self.eps)
+            return kernels.rms_norm(stream, weight, self.eps, rows=rows)
+        if rows is not None:
+            return kernels.rms_norm(update, weight, self.eps, residual=stream, rows=rows)
         return kernels.rms_norm(update, weight, self.eps, residual=stream)[0]
 
     def _norm_projection(self, fused, projection, update, stream, norm_weight, weight, *extra):

@@ -331,10 +331,11 @@ class LlamaModel:
     def forward(
         self, ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
         q_block_start: torch.Tensor, q_block_len: torch.Tensor, q_block: int = Q_BLOCK,
-        key_bound: int | None = None, embedded: torch.Tensor | None = None,
+        key_bound: int | None = None, embedded: torch.Tensor | None = None, rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One flat batch of T query tokens of any span kinds; returns the final-normed hidden
-        states [T, hidden]. Capturable: fixed shape in T, nothing read on the host.
+        states [T, hidden], or with `rows` [m] (token indices) those tokens' alone, [m, hidden],
+        gathered by the final norm itself. Capturable: fixed shape in T, nothing read on the host.
 
         ids, slots, positions [T] int64: token t is `ids[t]` at `positions[t]` of `slots[t]`;
         it writes its K/V there and attends that slot's positions 0..positions[t]. The tokens
@@ -360,7 +361,7 @@ class LlamaModel:
                 metadata_settled=True,
             )
 
-        return self._forward(ids, slots, positions, attend, embedded)
+        return self._forward(ids, slots, positions, attend, embedded, rows)
 
     def _attention_out(self, tokens: int) -> torch.Tensor:
         """[tokens, heads * head_dim] for attention to write: the static buffer when it is large
@@ -460,11 +461,13 @@ class LlamaModel:
         positions: torch.Tensor,
         attend: Callable[[int, torch.Tensor], torch.Tensor],
         embedded: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run all layers for n query rows; row i sits at `positions[i]` of slot `slots[i]`.
 
         attend(layer, q [n, h, d]) -> [n, h * d] attends over the cache after this step's K/V
-        were written. Returns the final-normed hidden [n, hidden]. Per layer, with every
+        were written. Returns the final-normed hidden [n, hidden] (rows: of those rows only,
+        [m, hidden]). Per layer, with every
         projection on torch (`self.plan`): add + norm, QKV GEMM, rotary + cache write,
         attention, O GEMM, add + norm, gate/up GEMM, SiLU-mul, down GEMM (an O / down output
         stays pending until the next norm adds it); with every projection on Triton: norm +
@@ -481,7 +484,7 @@ class LlamaModel:
             update, stream = ops.o(attend(index, q), stream, layer)
             act, stream = ops.gate_up(update, stream, layer)
             update, stream = ops.down(act, stream, layer)
-        return ops.final_norm(update, stream, self.final_norm)
+        return ops.final_norm(update, stream, self.final_norm, rows)
 
     def _all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Under tensor parallelism each rank's O / down projection is a partial sum."""
