@@ -31,6 +31,7 @@ def test_without_a_gpu_it_says_so(capsys, tmp_path, monkeypatch):
     (gemv.Tiles(16, 32, 64, 4, False), "dot 16x32x64 w4"),
     (gemv.Tiles(16, 64, 64, 4, False, swap=True), "dot swap 16x64x64 w4"),
     (gemv.Tiles(64, 32, 64, 4, False, early=True), "dot 64x32x64 w4 early"),
+    (gemv.Tiles(64, 32, 128, 4, False, split_k=4), "dot 64x32x128 w4 split 4"),
 ])
 def test_the_table_names_each_tiling_with_its_flags(tiles, text):
     assert kernels._tiles_text(None if tiles is None else tiles._asdict()) == text

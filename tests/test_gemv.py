@@ -219,8 +219,9 @@ def test_every_candidate_tiling_equals_unfused(rows, k):
     for tiles in candidate_tiles(rows, k):
         check_norm_linear("cpu", torch.bfloat16, rows, k, 20, with_residual=True, tiles=tiles)
         check_norm_gate_up_silu("cpu", torch.bfloat16, rows, k, 20, with_residual=True, tiles=tiles)
-        check_linear_residual("cpu", torch.bfloat16, rows, k, 20, tiles=tiles)
         check_norm_qkv_rotary("cpu", torch.bfloat16, rows, k, HEADS[0], with_residual=False, tiles=tiles)
+    for tiles in candidate_tiles(rows, k, split=True):  # O and down: split-K tilings too
+        check_linear_residual("cpu", torch.bfloat16, rows, k, 20, tiles=tiles)
 
 
 def check_early_equals_late(device, dtype, rows, k, tiles: gemv.Tiles, seed=0) -> None:
@@ -263,8 +264,45 @@ def test_swapped_tiles_equal_unfused(rows, k, n, dtype, block_m, seed):
                           cache_rows=6, seq_len=64, tiles=tiles)
 
 
+# Split-K tilings against the unfused path over random shapes: K steps that do and do not divide
+# among the splits (some splits then get none), several row and column tiles; the same bits
+# every call (the last split sums the partials in split order), the counters left at zero.
+@given(rows=st.integers(1, 40), k=st.one_of(st.sampled_from([16, 128]), st.integers(1, 300)),
+       n=st.one_of(st.sampled_from([16, 48]), st.integers(1, 70)), dtype=st.sampled_from(DTYPES),
+       split_k=st.integers(2, gemv.MAX_SPLIT_K), block_k=st.sampled_from([16, 32, 64]), swap=st.booleans(),
+       seed=st.integers(0, 2**16))
+@FEW
+def test_split_k_tiles_equal_unfused_and_repeat_bit_for_bit(rows, k, n, dtype, split_k, block_k, swap, seed):
+    tiles = gemv.Tiles(16, 64 if swap else 16, block_k, 4, False, swap=swap, split_k=split_k)
+    check_linear_residual("cpu", dtype, rows, k, n, seed=seed, tiles=tiles)
+    t = inputs("cpu", dtype, rows, k, n, seed)
+    workspace = gemv.SplitKWorkspace(rows, n, "cpu")
+    first, again = (gemv.linear_residual(t["x"], t["weight"], t["stream"], backend="triton", tiles=tiles,
+                                         workspace=workspace) for _ in range(2))
+    assert torch.equal(first, again)
+    assert not workspace.done.any(), "the last split of each tile resets its counter"
+
+
+def test_split_k_is_refused_where_it_does_not_apply_and_beyond_its_workspace():
+    t = inputs("cpu", torch.float32, 20, 64, 48, seed=0)
+    split = gemv.Tiles(16, 16, 16, 4, False, split_k=2)
+    with pytest.raises(ValueError, match="split_k tilings serve linear_residual only"):
+        gemv.norm_linear(t["x"], t["norm_weight"], t["weight"], EPS, backend="triton", tiles=split)
+    with pytest.raises(ValueError, match="split_k tilings serve linear_residual only"):
+        gemv.norm_gate_up_silu(t["x"], t["norm_weight"], t["gate_up"], EPS, backend="triton", tiles=split)
+    small = gemv.SplitKWorkspace(8, 48, "cpu")
+    stream = t["stream"].clone()
+    with pytest.raises(ValueError, match="too few for 20 x 48 outputs"):
+        gemv.linear_residual(t["x"], t["weight"], stream, out=stream, backend="triton", tiles=split, workspace=small)
+    assert torch.equal(stream, t["stream"]), "refused before any launch"
+
+
 @pytest.mark.parametrize("tiles,match", [
     ((1, 4, 1024, 4, True), "must be a gemv.Tiles"),
+    (gemv.Tiles(16, 16, 64, 4, False, split_k=0), "split_k must be an int in 1..8"),
+    (gemv.Tiles(16, 16, 64, 4, False, split_k=9), "split_k must be an int in 1..8"),
+    (gemv.Tiles(16, 16, 64, 4, False, split_k=2.0), "split_k must be an int"),
+    (gemv.Tiles(1, 4, 1024, 4, True, split_k=2), "an FMA tile takes 1"),
     (gemv.Tiles(16, 16, 64, 4, False, 1), "must be bools"),
     (gemv.Tiles(16, 16, 64, 4, False, swap=1), "must be bools"),
     (gemv.Tiles(1, 4, 1024, 4, True, swap=True), "an FMA tile has none"),

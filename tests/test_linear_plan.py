@@ -49,6 +49,7 @@ def test_from_timings_keeps_the_fastest_tiling_of_a_triton_choice():
     ({8: {"o": gemv.Tiles(1, 4, 1024, 4, True)}}, "runs on triton"),  # o is torch at 8 rows
     ({16: {"qkv": gemv.Tiles(1, 4, 1024, 4, True)}}, "runs on triton"),  # no 16-row choice
     ({8: {"qkv": gemv.Tiles(1, 4, 1000, 4, True)}}, "powers of two"),
+    ({8: {"qkv": gemv.Tiles(16, 16, 64, 4, False, split_k=2)}}, "split-K tiling serves only"),
 ])
 def test_bad_tiles_in_a_plan_are_rejected(tiles, match):
     with pytest.raises(ValueError, match=match):
@@ -59,10 +60,15 @@ def test_bad_tiles_in_a_plan_are_rejected(tiles, match):
 @pytest.mark.parametrize("k", [64, 576, 1536, 4096])
 def test_candidate_tiles_are_valid_and_cover_the_rows(rows, k):
     candidates = linear_plan.candidate_tiles(rows, k)
-    assert candidates and len(set(candidates)) == len(candidates)
-    for tiles in candidates:
+    with_split = linear_plan.candidate_tiles(rows, k, split=True)
+    assert candidates and len(set(with_split)) == len(with_split)
+    # Split-K tilings only where asked for (O and down): the others run the norm prologue.
+    assert with_split[: len(candidates)] == candidates and all(t.split_k == 1 for t in candidates)
+    assert all(t.split_k > 1 for t in with_split[len(candidates):]) and (rows <= 4) == (with_split == candidates)
+    for tiles in with_split:
         assert gemv.check_tiles(tiles) is tiles
         assert tiles.block_k <= max(gemv.FMA_MAX_K, 256)
+        assert max(tiles.block_m, tiles.block_n) <= gemv.SPLIT_TILE_MAX or tiles.split_k == 1
         if tiles.fma:  # CUDA-core tiles only for decode-sized batches, never more rows than padded to
             assert rows <= 16 and tiles.block_m <= max(4, triton.next_power_of_2(rows))
 
@@ -151,18 +157,23 @@ def torch_run():
 
 # Mixed plans chain a Triton projection after a torch one that left its update pending (the
 # fused residual-add prologue) and a torch norm after a Triton residual epilogue.
-@pytest.mark.parametrize("backends", [
-    ALL_TRITON,
-    {"qkv": "triton", "o": "torch", "gate_up": "triton", "down": "torch"},
-    {"qkv": "torch", "o": "triton", "gate_up": "torch", "down": "triton"},
-], ids=["triton", "norms-triton", "residuals-triton"])
-def test_greedy_tokens_equal_under_triton_and_mixed_plans(torch_run, backends, monkeypatch):
+# The split-K tilings (O and down) share each output tile's K steps among programs.
+SPLIT_TILES = {"o": gemv.Tiles(16, 16, 16, 4, False, split_k=2), "down": gemv.Tiles(16, 16, 32, 4, False, split_k=3)}
+
+
+@pytest.mark.parametrize("backends,tiles", [
+    (ALL_TRITON, None),
+    ({"qkv": "triton", "o": "torch", "gate_up": "triton", "down": "torch"}, None),
+    ({"qkv": "torch", "o": "triton", "gate_up": "torch", "down": "triton"}, None),
+    (ALL_TRITON, SPLIT_TILES),
+], ids=["triton", "norms-triton", "residuals-triton", "triton-split-k"])
+def test_greedy_tokens_equal_under_triton_and_mixed_plans(torch_run, backends, tiles, monkeypatch):
     expected_tokens, expected_logits = torch_run
     launches = []
     launch = gemv._launch
     monkeypatch.setattr(gemv, "_launch", lambda *args, **kwargs: launches.append(1) or launch(*args, **kwargs))
     # Prefill rows (up to 6) and decode rows (4) both fall in the 8-row entry.
-    tokens, logits = greedy_run(LinearPlan({8: backends}))
+    tokens, logits = greedy_run(LinearPlan({8: backends}, tiles=tiles and {8: tiles}))
     forwards, layers = len(PROMPTS) + STEPS, ModelConfig().num_layers
     assert len(launches) == forwards * layers * list(backends.values()).count("triton")
     assert tokens == expected_tokens

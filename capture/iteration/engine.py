@@ -26,7 +26,7 @@ from graphrelay.capture.iteration.inputs import IterationInputs, bucket_spans
 from graphrelay.capture.iteration.ngram import SpecConfig, TokenHistory
 from graphrelay.capture.iteration.spans import Span
 from graphrelay.capture.iteration.step import CONTROLS, PLAIN, IterationStep
-from graphrelay.capture.model.linear_plan import LinearPlan
+from graphrelay.capture.model.linear_plan import SKINNY_ROWS, LinearPlan
 from graphrelay.capture.model.memory_plan import MemoryPlan, check_fits, plan_memory
 from graphrelay.capture.model.model import LlamaModel, ModelConfig, ModelWeights
 from graphrelay.capture.model.plan_file import load_or_measure
@@ -41,10 +41,6 @@ from graphrelay.runtime import Stream
 # larger budget prefills faster (64 x 128 prompt tokens: 8.2 ms in four 2048-token iterations)
 # at the price of a longer iteration beside running decodes; the peers' defaults are 8192.
 DEFAULT_MAX_TOKENS = 4096
-# Buckets up to this many rows time the Triton projections against cuBLAS at start-up; above,
-# a 64-row tile re-reads the weights often enough that cuBLAS wins every projection (at 256 rows
-# Triton still wins the O projection on the H200).
-SKINNY_ROWS = 256
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

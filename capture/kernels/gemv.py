@@ -29,7 +29,10 @@ writes is read, and nothing is written, before the wait. Each program then lets 
 kernel launch. Off under the interpreter and on GPUs or Triton builds without it. The
 tensor-core tiles' K loop is software-pipelined by Triton (`TC_STAGES` deep), x and weights
 alike. A swapped tile (`Tiles.swap`) runs the same loop as `w @ x.T`: the weight rows take the
-dot's M side, which Hopper's warpgroup MMA needs in steps of 64, however few the x rows.
+dot's M side, which Hopper's warpgroup MMA needs in steps of 64, however few the x rows. A
+split-K tile (`Tiles.split_k`, `linear_residual` only) shares an output tile's K steps among
+programs that meet in a `SplitKWorkspace`: the last to finish sums the partials in split order
+(the same bits whichever finishes last) and adds the residual.
 
 Backends as in `layer_kernels`: "triton" (default for CUDA tensors) or "torch", the unfused
 path (layer_kernels' rms_norm / silu_mul / rotary_and_cache_write on their default backend
@@ -63,6 +66,8 @@ FMA_MAX_K = 2048
 TC_STAGES = 4
 TC_STAGES_FLOAT32 = 2
 EPILOGUE_NONE, EPILOGUE_RESIDUAL, EPILOGUE_SILU_MUL, EPILOGUE_ROTARY = 0, 1, 2, 3
+MAX_SPLIT_K = 8  # programs a split-K tiling shares an output tile's K steps among, at most
+SPLIT_TILE_MAX = 128  # the widest block_m / block_n a split-K tiling may use (workspace sizing)
 
 
 class Rotary(NamedTuple):
@@ -155,6 +160,8 @@ def _skinny_linear_kernel(
     slot_ptr,
     k_cache_ptr,  # ROTARY: [cache_rows, seq_len, KVH, D]
     v_cache_ptr,
+    part_ptr,  # SPLIT_K > 1: float32 partial products, [output tiles, SPLIT_K, BLOCK_M, BLOCK_N]
+    done_ptr,  # SPLIT_K > 1: int32 per output tile, its splits done (zero between calls)
     M,
     eps,
     table_rows,
@@ -175,6 +182,8 @@ def _skinny_linear_kernel(
     FMA: tl.constexpr,  # one row per program, no tensor-core dot (see _launch)
     EARLY: tl.constexpr,  # epilogue inputs requested before the product (Tiles.early; always with FMA)
     SWAP: tl.constexpr,  # the tensor-core product as w @ x.T (Tiles.swap)
+    SPLIT_K: tl.constexpr,  # programs per output tile, each over K_STEPS of the K steps (Tiles.split_k)
+    K_STEPS: tl.constexpr,
     USE_PDL: tl.constexpr,
     LINE: tl.constexpr,  # weight elements per 128-byte line
     LINES: tl.constexpr,  # next power of two >= the lines of one weight row
@@ -252,7 +261,13 @@ def _skinny_linear_kernel(
     else:
         acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    if SPLIT_K == 1:
+        k_lo = 0
+        k_hi = K
+    else:
+        k_lo = tl.program_id(2) * (K_STEPS * BLOCK_K)
+        k_hi = tl.minimum(k_lo + K_STEPS * BLOCK_K, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k_ok = row_ok & (k0 + ks[None, :] < K)
         x = tl.load(x_rows + k0 + ks[None, :], mask=k_ok, other=0.0)
         if NORM:
@@ -286,6 +301,23 @@ def _skinny_linear_kernel(
     if SWAP:
         acc_a = tl.trans(acc_a)
         acc_b = tl.trans(acc_b)
+    if SPLIT_K > 1:
+        # Each split stores its partial; the last of a tile's splits to finish (an
+        # acquire-release count, as varlen attention merges its key splits) sums them in split
+        # order, so the result is the same whichever finishes last, and runs the epilogue.
+        tile = tl.program_id(1) * tl.num_programs(0) + pid_n
+        cell = part_ptr + tile.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_N)
+        at = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tl.store(cell + tl.program_id(2) * (BLOCK_M * BLOCK_N) + at, acc_a)
+        tl.debug_barrier()  # every thread's stores before the release
+        if tl.atomic_add(done_ptr + tile, 1, sem="acq_rel") != SPLIT_K - 1:
+            return
+        tl.debug_barrier()
+        tl.atomic_xchg(done_ptr + tile, 0)
+        # From L2, past this SM's L1, which other SMs' stores do not update.
+        acc_a = tl.load(cell + at, cache_modifier=".cg")
+        for split in tl.static_range(1, SPLIT_K):
+            acc_a += tl.load(cell + split * (BLOCK_M * BLOCK_N) + at, cache_modifier=".cg")
     # The projection's own outputs, rounded as torch's matmul stores them.
     ya = _round_to(acc_a, dtype).to(tl.float32)
     yb = _round_to(acc_b, dtype).to(tl.float32)
@@ -330,8 +362,12 @@ class Tiles(NamedTuple):
     than after it (FMA tiles always do). `swap`: a tensor-core tile computes the transposed
     product, weight rows as the dot's M side and the x rows as its N side: Hopper's warpgroup
     MMA takes M in 64-row steps, so a tile of fewer than 64 x rows needs the weight on that
-    side to use it (the tile's accumulator is transposed back once, after the K loop). Each
-    distinct Tiles compiles its own kernel variant."""
+    side to use it (the tile's accumulator is transposed back once, after the K loop).
+    `split_k`: `linear_residual` only (a projection with a short output, a long K, or both:
+    O and down), each output tile's K steps shared by that many programs, so the grid fills
+    more of the GPU; their partial products meet in a `SplitKWorkspace` and the last to finish
+    sums them in a fixed order and adds the residual. Each distinct Tiles compiles its own
+    kernel variant."""
 
     block_m: int
     block_n: int
@@ -340,6 +376,7 @@ class Tiles(NamedTuple):
     fma: bool
     early: bool = False
     swap: bool = False
+    split_k: int = 1
 
 
 def default_tiles(m: int, k: int) -> Tiles:
@@ -367,30 +404,68 @@ def check_tiles(tiles: object) -> Tiles:
         raise ValueError(f"a tensor-core tile needs block_m, block_n, block_k >= 16, got {tiles}; or set fma=True")
     if tiles.fma and tiles.swap:
         raise ValueError(f"swap transposes a tensor-core product; an FMA tile has none, got {tiles}")
+    split = tiles.split_k
+    if not isinstance(split, int) or isinstance(split, bool) or not 1 <= split <= MAX_SPLIT_K:
+        raise ValueError(f"tiles split_k must be an int in 1..{MAX_SPLIT_K}, got {tiles}")
+    if split > 1 and tiles.fma:
+        raise ValueError(f"split_k shares a tensor-core tile's K loop; an FMA tile takes 1, got {tiles}")
     return tiles
 
 
+class SplitKWorkspace:
+    """Scratch of the split-K tilings (`Tiles.split_k`), allocated once: float32 partial
+    products and a counter per output tile (zero between calls: the last split resets its
+    tile's). One workspace serves launches in sequence on one stream, as a forward makes them
+    (each launch has finished with it before the next one uses it), not concurrent ones."""
+
+    def __init__(self, max_rows: int, max_cols: int, device: torch.device | str, max_split: int = MAX_SPLIT_K):
+        if min(max_rows, max_cols, max_split) < 1:
+            raise ValueError(f"SplitKWorkspace sizes must be positive, got rows={max_rows} cols={max_cols} "
+                             f"split={max_split}")
+        # Any tiling up to SPLIT_TILE_MAX a side covers at most this much of the padded output.
+        padded = (max_rows + SPLIT_TILE_MAX - 1) * (max_cols + SPLIT_TILE_MAX - 1)
+        self.partials = torch.empty(max_split * padded, dtype=torch.float32, device=device)
+        self.done = torch.zeros(triton.cdiv(max_rows, 16) * triton.cdiv(max_cols, 16), dtype=torch.int32,
+                                device=device)
+
+    def check(self, m: int, n: int, tiles: Tiles) -> None:
+        """Before a launch: this call's tiles and partials fit."""
+        grid = triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n)
+        if (grid > self.done.numel() or grid * tiles.split_k * tiles.block_m * tiles.block_n > self.partials.numel()
+                or max(tiles.block_m, tiles.block_n) > SPLIT_TILE_MAX):
+            raise ValueError(f"SplitKWorkspace holds {self.partials.numel()} partials and {self.done.numel()} tiles, "
+                             f"too few for {m} x {n} outputs in {tiles}: size it for the largest rows and columns")
+
+
 def _launch(x, weight, out, *, n, epilogue, pdl, norm_weight=None, eps=0.0, residual=None, residual_out=None,
-            add=None, rotary=None, tiles=None):
+            add=None, rotary=None, tiles=None, workspace=None):
     m, k = x.shape
     if tiles is None:
         tiles = default_tiles(m, k)
-    block_m, block_n, block_k, warps, fma, early, swap = check_tiles(tiles)
+    block_m, block_n, block_k, warps, fma, early, swap, split_k = check_tiles(tiles)
+    if split_k > 1 and (epilogue != EPILOGUE_RESIDUAL or norm_weight is not None):
+        raise ValueError(f"split_k tilings serve linear_residual only (O and down projections), got {tiles}")
+    part = done = x
+    if split_k > 1:
+        if workspace is None:  # eager convenience; a captured call passes the one allocated up front
+            workspace = SplitKWorkspace(m, n, x.device, split_k)
+        workspace.check(m, n, tiles)
+        part, done = workspace.partials, workspace.done
     tile_cols = n // 2 if epilogue == EPILOGUE_ROTARY else n
     rot = rotary or Rotary(x, x, x, x, x, x, 0, 0)
     d = rot.k_cache.shape[3] if rotary else 2
     cache_rows, seq_len = rot.k_cache.shape[:2] if rotary else (0, 0)
     extra = {"launch_pdl": True} if pdl else {}
-    _skinny_linear_kernel[(triton.cdiv(tile_cols, block_n), triton.cdiv(m, block_m))](
+    _skinny_linear_kernel[(triton.cdiv(tile_cols, block_n), triton.cdiv(m, block_m), split_k)](
         x, x if residual is None else residual, x if residual_out is None else residual_out,
         x if norm_weight is None else norm_weight, weight, out if add is None else add, out,
-        rot.cos, rot.sin, rot.positions, rot.slots, rot.k_cache, rot.v_cache,
+        rot.cos, rot.sin, rot.positions, rot.slots, rot.k_cache, rot.v_cache, part, done,
         m, eps, rot.cos.shape[0], cache_rows, seq_len,
         N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
         HAS_RESIDUAL=residual is not None, EPILOGUE=epilogue, H=rot.num_heads, KVH=rot.num_kv_heads, D=d,
         # NOTE: the interpreter multiplies bfloat16 dot operands as their raw uint16 bits: upcast there.
         DOT_F32=x.dtype == torch.float32 or not x.is_cuda, FMA=fma, EARLY=fma or early, SWAP=swap,
-        USE_PDL=pdl,
+        SPLIT_K=split_k, K_STEPS=triton.cdiv(triton.cdiv(k, block_k), split_k), USE_PDL=pdl,
         LINE=128 // weight.element_size(), LINES=triton.next_power_of_2(triton.cdiv(k * weight.element_size(), 128)),
         num_warps=warps, **({} if fma else {"num_stages": TC_STAGES if x.element_size() <= 2 else TC_STAGES_FLOAT32}),
         # a*b + c*d contracted to an FMA would round the rotation differently from torch.
@@ -548,11 +623,13 @@ def linear_residual(
     backend: str | None = None,
     pdl: bool | None = None,
     tiles: Tiles | None = None,
+    workspace: SplitKWorkspace | None = None,
 ) -> torch.Tensor:
     """`residual + x @ weight.T` with the projection rounded to the model dtype first (as the
     model's `update = x @ w.T; stream = update + stream`): x `[m, k]`, weight `[n, k]`, residual
     `[m, n]`. `out` may be `residual` itself (an in-place update of the stream). `pdl`, `tiles`
-    as in `norm_linear`."""
+    as in `norm_linear`; a split-K tiling uses `workspace` (one allocated per call when None,
+    so pass one under capture)."""
     m, k = _expect_2d("linear_residual x", x)
     dev, dtypes = x.device, (x.dtype,)
     _expect("linear_residual x", x, (m, k), dtypes, dev)
@@ -565,4 +642,4 @@ def linear_residual(
         return torch.add(x @ weight.T, residual, out=out)
     out = torch.empty_like(residual) if out is None else out
     return _launch(x, weight, out, n=n, epilogue=EPILOGUE_RESIDUAL, pdl=resolve_pdl(pdl, x), add=residual,
-                   tiles=tiles)
+                   tiles=tiles, workspace=workspace)

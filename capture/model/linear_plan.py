@@ -45,6 +45,11 @@ if TYPE_CHECKING:
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 BACKENDS = ("torch", "triton")
+# Engines time the row counts up to this (their buckets this small); above, a 64-row tile
+# re-reads the weights often enough that cuBLAS wins every projection (at 256 rows Triton still
+# wins the O projection on the H200).
+SKINNY_ROWS = 256
+SPLIT_PROJECTIONS = ("o", "down")  # the projections split-K tilings serve (gemv.linear_residual)
 CHAIN = 16  # calls per timed graph: one replay's host cost (~5 us) spread thin
 REPLAYS = 5  # timed replays; the median graph counts
 
@@ -68,9 +73,11 @@ class LayerOps:
     """One row count's projection entry points (see the module docstring for the chain)."""
 
     def __init__(self, backends: Mapping[str, str], eps: float, reduce: Callable[[torch.Tensor], torch.Tensor],
-                 pdl: bool | None, tiles: Mapping[str, gemv.Tiles] | None = None):
+                 pdl: bool | None, tiles: Mapping[str, gemv.Tiles] | None = None,
+                 workspace: gemv.SplitKWorkspace | None = None):
         self.backends, self.eps, self.reduce, self.pdl = dict(backends), eps, reduce, pdl
         self.tiles = dict(tiles or {})  # projection -> Triton tiling; missing: the default
+        self.workspace = workspace  # a split-K tiling's scratch (the model's, allocated up front)
 
     def qkv(self, update, stream, layer: "LayerWeights", rotary: gemv.Rotary):
         """-> (rotated q `[n, h, d]`, stream with `update` added); appends k and v to the
@@ -110,7 +117,7 @@ class LayerOps:
             # Left pending: the next norm adds it in its own node (layer_kernels.rms_norm).
             return self.reduce(x @ weight.T), stream
         return None, gemv.linear_residual(x, weight, stream, out=stream, backend="triton", pdl=self.pdl,
-                                          tiles=self.tiles.get(projection))
+                                          tiles=self.tiles.get(projection), workspace=self.workspace)
 
 
 _MEASURED: dict[tuple, "LinearPlan"] = {}  # LinearPlan.measured's, per shape and row counts
@@ -142,8 +149,10 @@ class LinearPlan:
             if rows not in self.choices or any(self.choices[rows].get(p) != "triton" for p in by_projection):
                 raise ValueError(f"LinearPlan tiles for {rows} rows must name projections that row count runs on "
                                  f"triton, got {sorted(by_projection)} with choices {self.choices.get(rows)}")
-            for tiles in by_projection.values():
-                gemv.check_tiles(tiles)
+            for projection, tiles in by_projection.items():
+                if gemv.check_tiles(tiles).split_k > 1 and projection not in SPLIT_PROJECTIONS:
+                    raise ValueError(f"LinearPlan tiles for {rows} rows: a split-K tiling serves only "
+                                     f"{SPLIT_PROJECTIONS}, got {tiles} for {projection}")
         self.default, self.pdl = default, pdl
         self._sizes = list(self.choices)
 
@@ -190,10 +199,12 @@ class LinearPlan:
         at = bisect.bisect_left(self._sizes, rows)
         return None if at == len(self._sizes) else self._sizes[at]
 
-    def ops(self, rows: int, eps: float, reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> LayerOps:
+    def ops(self, rows: int, eps: float, reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+            workspace: gemv.SplitKWorkspace | None = None) -> LayerOps:
         """The entry points for a forward of `rows` rows. reduce: applied to a pending
-        (torch-path) O / down output, e.g. the tensor-parallel all-reduce."""
-        return LayerOps(self.backends(rows), eps, reduce, self.pdl, self.tiles_for(rows))
+        (torch-path) O / down output, e.g. the tensor-parallel all-reduce. workspace: for
+        split-K tilings (one is allocated per call without it)."""
+        return LayerOps(self.backends(rows), eps, reduce, self.pdl, self.tiles_for(rows), workspace)
 
 
 def model_shape(model: "LlamaModel") -> dict[str, int | str]:
@@ -208,8 +219,9 @@ def model_shape(model: "LlamaModel") -> dict[str, int | str]:
 # Measurement
 
 
-def candidate_tiles(rows: int, k: int) -> list[gemv.Tiles]:
-    """The Triton tilings start-up timing tries for a projection of `rows` rows and K = k.
+def candidate_tiles(rows: int, k: int, split: bool = False) -> list[gemv.Tiles]:
+    """The Triton tilings start-up timing tries for a projection of `rows` rows and K = k
+    (split: an O or down projection, which split-K tilings can serve).
 
     A few per regime, so start-up compiles few variants: the winners of sweeps on the H200
     (SmolLM2-135M's four projections, 30 layers' weights in one graph; 1-256 rows,
@@ -224,22 +236,30 @@ def candidate_tiles(rows: int, k: int) -> list[gemv.Tiles]:
     Not yet timed on a GPU (added without one, for the start-up timing to take or leave):
     from 5 to 64 rows, swapped tiles (`Tiles.swap`: 64 weight rows as the MMA's M side, so
     tiles of 16-64 x rows can use Hopper's warpgroup MMA, which the sweeps' 16-row tiles could
-    not), and beyond 64 rows the 64 x 64 tile."""
+    not); beyond 64 rows the 64 x 64 tile; and for O and down from 5 rows, split-K tiles
+    (`Tiles.split_k`: their 576 output columns make few tiles, down's K is 1,536 long, so an
+    unsplit grid leaves most of the GPU idle)."""
     whole_k = min(triton.next_power_of_2(k), gemv.FMA_MAX_K)
     if rows <= 4:
         m = triton.next_power_of_2(rows)
         return [gemv.Tiles(m, 2, whole_k, 8, True), gemv.Tiles(m, 4, whole_k, 4, True)]
     swapped = gemv.Tiles(16, 64, 64, 4, False, swap=True)
     if rows <= 16:
-        return [gemv.Tiles(4, 2, whole_k, 8, True), gemv.Tiles(4, 4, whole_k, 4, True),
-                gemv.Tiles(16, 16, 64, 4, False), gemv.Tiles(16, 32, 64, 4, False), gemv.Tiles(16, 16, 128, 4, False),
-                swapped]
-    if rows <= 64:
-        return [gemv.Tiles(16, 32, 64, 4, False), gemv.Tiles(16, 64, 64, 4, False), gemv.Tiles(64, 16, 128, 4, False),
-                swapped, swapped._replace(block_m=64)]
-    tensor_core = [gemv.Tiles(16, 64, 64, 8, False), gemv.Tiles(64, 32, 64, 4, False), gemv.Tiles(64, 32, 128, 4, False),
-                   gemv.Tiles(64, 64, 64, 4, False)]
-    return tensor_core + [t._replace(early=True) for t in tensor_core]
+        tiles = [gemv.Tiles(4, 2, whole_k, 8, True), gemv.Tiles(4, 4, whole_k, 4, True),
+                 gemv.Tiles(16, 16, 64, 4, False), gemv.Tiles(16, 32, 64, 4, False), gemv.Tiles(16, 16, 128, 4, False),
+                 swapped]
+        splits = [gemv.Tiles(16, 16, 128, 4, False, split_k=2)]
+    elif rows <= 64:
+        tiles = [gemv.Tiles(16, 32, 64, 4, False), gemv.Tiles(16, 64, 64, 4, False), gemv.Tiles(64, 16, 128, 4, False),
+                 swapped, swapped._replace(block_m=64)]
+        splits = [gemv.Tiles(16, 32, 64, 4, False, split_k=2), gemv.Tiles(64, 16, 128, 4, False, split_k=2),
+                  gemv.Tiles(64, 16, 128, 4, False, split_k=4)]
+    else:
+        plain = [gemv.Tiles(16, 64, 64, 8, False), gemv.Tiles(64, 32, 64, 4, False), gemv.Tiles(64, 32, 128, 4, False),
+                 gemv.Tiles(64, 64, 64, 4, False)]
+        tiles = plain + [t._replace(early=True) for t in plain]
+        splits = [gemv.Tiles(64, 32, 128, 4, False, split_k=2), gemv.Tiles(64, 32, 128, 4, False, split_k=4)]
+    return tiles + splits if split else tiles
 
 
 def time_projections(model: "LlamaModel", sizes: Sequence[int], *, stream: torch.cuda.Stream | None = None,
@@ -261,6 +281,7 @@ def time_projections(model: "LlamaModel", sizes: Sequence[int], *, stream: torch
     # Zeroed before each timed replay, so the weights come from memory, not L2, as in the step.
     flush = torch.empty(torch.cuda.get_device_properties(model.device).L2_cache_size, dtype=torch.uint8,
                         device=model.device)
+    workspace = gemv.SplitKWorkspace(max(sizes), c.hidden_size, model.device)
     with torch.cuda.stream(stream), torch.no_grad():
         for rows in sorted(set(sizes)):
             gen = torch.Generator(device=model.device).manual_seed(rows)
@@ -275,11 +296,12 @@ def time_projections(model: "LlamaModel", sizes: Sequence[int], *, stream: torch
                                  model.kv_cache.keys[0], model.kv_cache.values[0], c.num_heads, c.num_kv_heads)
             for projection in PROJECTIONS:
                 k = {"o": c.num_heads * c.head_dim, "down": c.intermediate_size}.get(projection, c.hidden_size)
-                variants = [("torch", None)] + [("triton", t) for t in candidate_tiles(rows, k)]
+                tilings = candidate_tiles(rows, k, split=projection in SPLIT_PROJECTIONS)
+                variants = [("torch", None)] + [("triton", t) for t in tilings]
                 times = []
                 for backend, tiles in variants:
                     ops = LayerOps(dict.fromkeys(PROJECTIONS, backend), c.rms_eps, lambda t: t, pdl,
-                                   dict.fromkeys(PROJECTIONS, tiles) if tiles else None)
+                                   dict.fromkeys(PROJECTIONS, tiles) if tiles else None, workspace)
                     pending = update if backend == "torch" else None
                     call = {
                         "qkv": lambda layer: ops.qkv(pending, stream_x, layer, rotary),

@@ -28,7 +28,7 @@ from graphrelay.capture.kernels import gemv
 from graphrelay.capture.kernels.q_blocks import Q_BLOCK, q_blocks
 from graphrelay.capture.kernels.varlen_attention import PAGE, VarlenWorkspace, identity_block_table, varlen_attention
 from graphrelay.capture.model.kv_cache import KVCache
-from graphrelay.capture.model.linear_plan import LinearPlan
+from graphrelay.capture.model.linear_plan import SKINNY_ROWS, LinearPlan
 from graphrelay.config import DTYPES
 from graphrelay.runtime import to_device_async
 
@@ -305,6 +305,12 @@ class LlamaModel:
         if self.device.type == "cuda" and attention_buckets:
             self.attention_workspace = VarlenWorkspace.for_buckets(
                 attention_buckets, c.num_heads, c.num_kv_heads, c.head_dim, c.max_seq_len, self.device)
+        # Split-K projection tilings' scratch, for the row counts a plan may run on Triton
+        # (about 4 MB at SmolLM2-135M's width).
+        self.split_workspace = None
+        if self.device.type == "cuda":
+            rows = min(SKINNY_ROWS, max((tokens for tokens, _ in attention_buckets or ()), default=SKINNY_ROWS))
+            self.split_workspace = gemv.SplitKWorkspace(rows, c.hidden_size, self.device, max_split=4)
         # Attention writes only the tokens its q-blocks cover. Padding tokens read what this
         # buffer held: zeros, or an earlier real token's output, always finite, so a padding row
         # never carries NaN from uninitialized memory into its logits, whose sampled id would
@@ -474,7 +480,7 @@ class LlamaModel:
         QKV + rotary + cache write, attention, O + add, norm + gate/up + SiLU-mul, down + add.
         """
         c = self.shard
-        ops = self.plan.ops(tokens.shape[0], c.rms_eps, self._all_reduce)
+        ops = self.plan.ops(tokens.shape[0], c.rms_eps, self._all_reduce, self.split_workspace)
         # The residual stream [n, hidden], unless the caller gathered it (`forward`'s embedded).
         update, stream = None, self.embed.index_select(0, tokens) if embedded is None else embedded
         for index, layer in enumerate(self.layers):

@@ -109,13 +109,21 @@ def test_time_projections_reports_every_projection_and_row_count():
         assert t.faster in BACKENDS
 
 
-@pytest.mark.parametrize("plan_kind", ["triton", "measured"])
+# Split-K O and down at 8 rows: their partials and per-tile counters live in the model's
+# workspace, reset by each tile's last split, so every replay starts from zero counters.
+SPLIT_PLAN = LinearPlan({8: dict.fromkeys(PROJECTIONS, "triton")},
+                        tiles={8: {"o": gemv.Tiles(16, 16, 64, 4, False, split_k=2),
+                                   "down": gemv.Tiles(16, 32, 128, 4, False, split_k=4)}})
+
+
+@pytest.mark.parametrize("plan_kind", ["triton", "measured", "split-k"])
 def test_captured_decode_replays_eager_bit_for_bit(plan_kind):
     """Decode over 8 rows (7 live slots and a padding row) captured once; each replay on fresh
     tokens and positions leaves the logits and the KV cache exactly as the eager call does.
     With PDL on (Hopper) under the all-Triton plan, every projection is a PDL launch."""
     model = smol_model()
-    model.plan = LinearPlan.fixed("triton") if plan_kind == "triton" else LinearPlan.measured(model, [1, 8, 64])
+    model.plan = {"triton": lambda: LinearPlan.fixed("triton"), "split-k": lambda: SPLIT_PLAN,
+                  "measured": lambda: LinearPlan.measured(model, [1, 8, 64])}[plan_kind]()
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(4, 40, (7,), generator=gen).tolist()
     for slot, n in enumerate(lengths, start=1):
@@ -193,13 +201,12 @@ def test_early_epilogue_tiles_change_no_bit(rows):
 
 @pytest.mark.parametrize("rows", [8, 40, 256])
 def test_every_candidate_tiling_equals_unfused_at_smollm2_shape(rows):
-    """Each tiling the start-up plan may pick (swapped and early ones included) compiles on this
-    GPU and computes each projection as the unfused path does."""
+    """Each tiling the start-up plan may pick (swapped, early and split-K ones included) compiles
+    on this GPU and computes each projection as the unfused path does."""
     for tiles in candidate_tiles(rows, SMOL.hidden):
         check_norm_qkv_rotary(DEVICE, BF16, rows, SMOL.hidden, SMOL, with_residual=False, cache_rows=9, seq_len=64,
                               tiles=tiles)
         check_norm_gate_up_silu(DEVICE, BF16, rows, SMOL.hidden, SMOL.inter, with_residual=True, tiles=tiles)
-    for tiles in candidate_tiles(rows, SMOL.heads * SMOL.head_dim):
-        check_linear_residual(DEVICE, BF16, rows, SMOL.heads * SMOL.head_dim, SMOL.hidden, tiles=tiles)
-    for tiles in candidate_tiles(rows, SMOL.inter):
-        check_linear_residual(DEVICE, BF16, rows, SMOL.inter, SMOL.hidden, tiles=tiles)
+    for k in (SMOL.heads * SMOL.head_dim, SMOL.inter):  # O, down
+        for tiles in candidate_tiles(rows, k, split=True):
+            check_linear_residual(DEVICE, BF16, rows, k, SMOL.hidden, tiles=tiles)

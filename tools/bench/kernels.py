@@ -105,4 +105,5 @@ def _tiles_text(tiles: dict | None) -> str:
         return "default"
     kind = "fma" if tiles["fma"] else "dot swap" if tiles.get("swap") else "dot"
     early = " early" if tiles.get("early") and not tiles["fma"] else ""
-    return f"{kind} {tiles['block_m']}x{tiles['block_n']}x{tiles['block_k']} w{tiles['warps']}{early}"
+    split = f" split {tiles['split_k']}" if tiles.get("split_k", 1) > 1 else ""
+    return f"{kind} {tiles['block_m']}x{tiles['block_n']}x{tiles['block_k']} w{tiles['warps']}{early}{split}"
