@@ -178,3 +178,48 @@ def test_greedy_tokens_equal_under_triton_and_mixed_plans(torch_run, backends, t
     assert len(launches) == forwards * layers * list(backends.values()).count("triton")
     assert tokens == expected_tokens
     torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# The start-up timing's gate: a candidate tiling must build and agree with the unfused path
+
+
+def gate_case(projection: str, rows: int = 20):
+    """A layer of the tiny model (float32, CPU) and what `time_projections` feeds the gate."""
+    model = LlamaModel(ModelConfig(), 2, "cpu")
+    c = model.config
+    gen = torch.Generator().manual_seed(rows)
+    x, attn, act = (torch.randn(rows, width, generator=gen) for width in
+                    (c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size))
+    positions = torch.arange(rows) % c.max_seq_len
+    rotary = gemv.Rotary(model.rope_cos, model.rope_sin, positions, torch.zeros_like(positions),
+                         model.kv_cache.keys[0], model.kv_cache.values[0], c.num_heads, c.num_kv_heads)
+    inputs = (x, attn, act, rotary, c.rms_eps, gemv.SplitKWorkspace(rows, c.hidden_size, "cpu"), None)
+    layer = model.layers[0]
+    return layer, inputs, linear_plan._projection_output(projection, None, layer, *inputs)
+
+
+@pytest.mark.parametrize("projection", PROJECTIONS)
+def test_a_candidate_tiling_that_computes_the_projection_passes_the_gate(projection, recwarn):
+    layer, inputs, reference = gate_case(projection)
+    split = projection in linear_plan.SPLIT_PROJECTIONS
+    for tiles in linear_plan.candidate_tiles(20, 64, split=split)[-2:]:  # swapped, and split-K where it applies
+        assert linear_plan._tiling_works(projection, 20, tiles, reference, layer, inputs), tiles
+    assert not recwarn.list
+
+
+@pytest.mark.parametrize("failure,words", [
+    (lambda: (_ for _ in ()).throw(triton.compiler.errors.CompilationError("k.py", None, "bad layout")),
+     r"does not build on this GPU \(CompilationError"),
+    (lambda: (_ for _ in ()).throw(RuntimeError("PassManager::run failed")), "does not build on this GPU"),
+    (lambda: torch.full((20, 64), float("nan")), "away from the unfused path"),
+    (lambda: torch.zeros(20, 64), "away from the unfused path"),
+])
+def test_a_tiling_that_does_not_build_or_disagrees_is_skipped_with_a_warning(failure, words, monkeypatch):
+    """If the gate let one through, the plan could keep a tiling that computes garbage because
+    it was fast; one that fails to build would stop start-up instead of losing a candidate."""
+    layer, inputs, reference = gate_case("o")
+    tiles = gemv.Tiles(16, 16, 16, 4, False, split_k=2)
+    monkeypatch.setattr(linear_plan, "_projection_output", lambda *args: failure())
+    with pytest.warns(UserWarning, match=words):
+        assert not linear_plan._tiling_works("o", 20, tiles, reference, layer, inputs)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import warnings
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import msgspec
@@ -52,6 +53,10 @@ SKINNY_ROWS = 256
 SPLIT_PROJECTIONS = ("o", "down")  # the projections split-K tilings serve (gemv.linear_residual)
 CHAIN = 16  # calls per timed graph: one replay's host cost (~5 us) spread thin
 REPLAYS = 5  # timed replays; the median graph counts
+# A candidate tiling must compute what the unfused path does before it is timed: within this
+# much of the output's largest magnitude. Another float32 sum order moves a 16-bit output by an
+# ulp or two (2**-8 of it), a tiling the compiler got wrong by the output's own size.
+AGREEMENT = 2.0**-5
 
 
 class ProjectionTiming(msgspec.Struct, frozen=True):
@@ -269,7 +274,8 @@ def time_projections(model: "LlamaModel", sizes: Sequence[int], *, stream: torch
     weights come from memory as in the step rather than hot in L2. Each backend runs the form
     a chain of its own calls takes: torch with a pending update to add (its add + norm node),
     Triton without. The QKV projection includes the rotary and K/V append, into padding slot
-    0's cache rows."""
+    0's cache rows. A tiling that fails to compile on this GPU, or whose output disagrees with
+    the unfused path's (`AGREEMENT`), is not a choice: skipped with a warning naming it."""
     if model.device.type != "cuda":
         raise ValueError(f"time_projections needs a CUDA model, got one on {model.device}")
     bad = [s for s in sizes if not isinstance(s, int) or s < 1]
@@ -298,8 +304,13 @@ def time_projections(model: "LlamaModel", sizes: Sequence[int], *, stream: torch
                 k = {"o": c.num_heads * c.head_dim, "down": c.intermediate_size}.get(projection, c.hidden_size)
                 tilings = candidate_tiles(rows, k, split=projection in SPLIT_PROJECTIONS)
                 variants = [("torch", None)] + [("triton", t) for t in tilings]
+                inputs = (stream_x, attn, act, rotary, c.rms_eps, workspace, pdl)
+                reference = _projection_output(projection, None, layers[0], *inputs)
                 times = []
                 for backend, tiles in variants:
+                    if tiles is not None and not _tiling_works(projection, rows, tiles, reference, layers[0], inputs):
+                        times.append(math.inf)
+                        continue
                     ops = LayerOps(dict.fromkeys(PROJECTIONS, backend), c.rms_eps, lambda t: t, pdl,
                                    dict.fromkeys(PROJECTIONS, tiles) if tiles else None, workspace)
                     pending = update if backend == "torch" else None
@@ -309,13 +320,43 @@ def time_projections(model: "LlamaModel", sizes: Sequence[int], *, stream: torch
                         "gate_up": lambda layer: ops.gate_up(pending, stream_x, layer),
                         "down": lambda layer: ops.down(act, stream_x, layer),
                     }[projection]
-                    try:
-                        times.append(_graph_us(call, layers, stream, flush))
-                    except triton.runtime.errors.OutOfResources:  # a tile too big for this GPU: not a choice
-                        times.append(math.inf)
+                    times.append(_graph_us(call, layers, stream, flush))
                 best = min(range(1, len(variants)), key=times.__getitem__)
                 timings.append(ProjectionTiming(rows, projection, times[0], times[best], variants[best][1]))
     return timings
+
+
+def _projection_output(projection: str, tiles: gemv.Tiles | None, layer: "LayerWeights", x, attn, act, rotary,
+                       eps: float, workspace: gemv.SplitKWorkspace, pdl: bool | None) -> torch.Tensor:
+    """One projection's fused output on the same inputs for either path: the unfused torch
+    path (tiles None) or the Triton kernel in `tiles`; O and down out of place."""
+    options = dict(backend="torch") if tiles is None else dict(backend="triton", tiles=tiles, pdl=pdl)
+    if projection == "qkv":
+        return gemv.norm_qkv_rotary(x, layer.attn_norm, layer.qkv, eps, rotary, **options)
+    if projection == "gate_up":
+        return gemv.norm_gate_up_silu(x, layer.mlp_norm, layer.gate_up, eps, **options)
+    activation, weight = (attn, layer.o) if projection == "o" else (act, layer.down)
+    return gemv.linear_residual(activation, weight, x, **options, **({} if tiles is None else {"workspace": workspace}))
+
+
+def _tiling_works(projection: str, rows: int, tiles: gemv.Tiles, reference: torch.Tensor,
+                  layer: "LayerWeights", inputs: tuple) -> bool:
+    """Whether `tiles` builds on this GPU and agrees with the unfused output; warns when not
+    (a tile too big for the GPU's shared memory is simply not a choice)."""
+    try:
+        got = _projection_output(projection, tiles, layer, *inputs)
+    except triton.runtime.errors.OutOfResources:
+        return False
+    except (triton.compiler.errors.CompilationError, RuntimeError) as exc:
+        warnings.warn(f"start-up timing skips {tiles} for the {projection} projection at {rows} rows: it does not "
+                      f"build on this GPU ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+        return False
+    error = float((got.float() - reference.float()).abs().max())
+    if not error <= AGREEMENT * float(reference.float().abs().max()):  # NaN fails too
+        warnings.warn(f"start-up timing skips {tiles} for the {projection} projection at {rows} rows: its output "
+                      f"is {error:.3g} away from the unfused path's, not a float32 rounding difference")
+        return False
+    return True
 
 
 def _graph_us(call: Callable[["LayerWeights"], object], layers: Sequence["LayerWeights"],
