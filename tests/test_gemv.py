@@ -90,7 +90,10 @@ def check_linear_residual(device, dtype, rows, k, n, *, seed=0, pdl=None, tiles=
     t = inputs(device, dtype, rows, k, n, seed)
     ref = gemv.linear_residual(t["x"], t["weight"], t["stream"], backend="torch")
     got = gemv.linear_residual(t["x"], t["weight"], t["stream"], backend="triton", pdl=pdl, tiles=tiles)
-    assert_close_to(got, ref, f"linear_residual {dtype} rows={rows} k={k} n={n}", ulps=2)
+    # The projection is rounded to the model dtype before the residual add: where the two cancel,
+    # an ulp of the larger term is the unit (256 rows x 576 outputs on the H100 had such elements).
+    terms = torch.maximum((t["x"] @ t["weight"].T).float().abs(), t["stream"].float().abs())
+    assert_close_after_cancellation(got, ref, terms, f"linear_residual {dtype} rows={rows} k={k} n={n}", ulps=2)
     stream = t["stream"].clone()
     in_place = gemv.linear_residual(t["x"], t["weight"], stream, out=stream, backend="triton", pdl=pdl, tiles=tiles)
     assert in_place is stream and torch.equal(stream, got), "in place (out=residual) equals out of place"
@@ -120,14 +123,14 @@ def check_norm_qkv_rotary(device, dtype, rows, k, heads: Shape, *, with_residual
     assert got.shape == (rows, heads.heads, heads.head_dim)
     h, kvh = heads.heads, heads.kv_heads
     pairs = rotation_pairs(t["x"], residual, t["norm_weight"], t["weight"], h + kvh, heads.head_dim)
-    assert_rotated_close(got, ref, pairs[:, :h], what + " q")
+    assert_close_after_cancellation(got, ref, pairs[:, :h], what + " q")
     for name, a, b, before in (("k", k_got, k_ref, case.k_cache), ("v", v_got, v_ref, case.v_cache)):
         untouched = (b == before).all(-1).all(-1)  # [cache_rows, seq_len]: rows the reference kept
         assert torch.equal(a[untouched], before[untouched]), f"{what}: {name} written outside the rows' entries"
         # Each row's entry (rows sit at distinct [slot, position]s, padding rows in slot 0).
         a, b = a[case.slots, case.positions], b[case.slots, case.positions]
         if name == "k":
-            assert_rotated_close(a, b, pairs[:, h:], f"{what} k_cache")
+            assert_close_after_cancellation(a, b, pairs[:, h:], f"{what} k_cache")
         else:
             assert_close_to(a, b, f"{what} v_cache", ulps=2)
 
@@ -143,16 +146,17 @@ def rotation_pairs(x, residual, norm_weight, weight, heads, head_dim) -> torch.T
     return torch.cat([larger, larger], dim=-1)
 
 
-def assert_rotated_close(actual, expected, pairs, what, ulps=2) -> None:
-    """Rotated values within `ulps` ulp, or where the rotation cancels (x cos - y sin with both
-    terms near equal) within `ulps` ulp of the larger input of each term: a projection one ulp
-    off (another float32 sum order) moves the difference by that much, however small it is."""
+def assert_close_after_cancellation(actual, expected, terms, what, ulps=2) -> None:
+    """Values within `ulps` ulp, or where a sum of rounded terms cancels (x cos - y sin with
+    both near equal; a rounded projection plus a residual near its negative) within `ulps` ulp
+    of `terms`, the larger term's magnitude per element: a term one ulp off (another float32
+    sum order) moves the result by that much, however small the result is."""
     if actual.dtype == torch.float32:
         assert_close_to(actual, expected, what, ulps)
         return
-    ulp_of_pair = torch.exp2(torch.floor(torch.log2(pairs.clamp_min(2**-126))) - 7)  # bf16: 8 significant bits
-    cancelled = (expected.float().abs() < pairs / 2) & ((actual.float() - expected.float()).abs()
-                                                        <= 2 * ulps * ulp_of_pair)
+    ulp_of_term = torch.exp2(torch.floor(torch.log2(terms.clamp_min(2**-126))) - 7)  # bf16: 8 significant bits
+    cancelled = (expected.float().abs() < terms / 2) & ((actual.float() - expected.float()).abs()
+                                                        <= 2 * ulps * ulp_of_term)
     assert_close_to(torch.where(cancelled, expected, actual), expected, what, ulps)
 
 
@@ -230,7 +234,7 @@ def check_early_equals_late(device, dtype, rows, k, tiles: gemv.Tiles, seed=0) -
     heads = HEADS[0]
     width = (heads.heads + 2 * heads.kv_heads) * heads.head_dim
     t = inputs(device, dtype, rows, k, width, seed)
-    case = rotary_case(heads, rows, dtype=dtype, device=device, cache_rows=6, seq_len=32, seed=seed)
+    case = rotary_case(heads, rows, dtype=dtype, device=device, cache_rows=9, seq_len=64, seed=seed)
     results = []
     for variant in (tiles._replace(early=False), tiles._replace(early=True)):
         rotary = gemv.Rotary(case.cos, case.sin, case.positions, case.slots, case.k_cache.clone(),

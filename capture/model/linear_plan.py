@@ -296,6 +296,7 @@ def time_projections(model: "LlamaModel", sizes: Sequence[int], *, stream: torch
                 return torch.randn(rows, width, generator=gen, device=model.device).to(c.torch_dtype)
 
             stream_x, update = rand(c.hidden_size), rand(c.hidden_size)
+            gate_stream = stream_x.clone()
             attn, act = rand(c.num_heads * c.head_dim), rand(c.intermediate_size)
             positions = torch.arange(rows, device=model.device) % c.max_seq_len
             rotary = gemv.Rotary(model.rope_cos, model.rope_sin, positions, torch.zeros_like(positions),
@@ -304,7 +305,8 @@ def time_projections(model: "LlamaModel", sizes: Sequence[int], *, stream: torch
                 k = {"o": c.num_heads * c.head_dim, "down": c.intermediate_size}.get(projection, c.hidden_size)
                 tilings = candidate_tiles(rows, k, split=projection in SPLIT_PROJECTIONS)
                 variants = [("torch", None)] + [("triton", t) for t in tilings]
-                inputs = (stream_x, attn, act, rotary, c.rms_eps, workspace, pdl)
+                # The gate's own copy of the stream: the timed O / down calls update stream_x in place.
+                inputs = (gate_stream, attn, act, rotary, c.rms_eps, workspace, pdl)
                 reference = _projection_output(projection, None, layers[0], *inputs)
                 times = []
                 for backend, tiles in variants:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import msgspec
 import pytest
@@ -102,8 +103,15 @@ def smol_model(layers: int = 4) -> LlamaModel:
 
 
 def test_time_projections_reports_every_projection_and_row_count():
-    timings = time_projections(smol_model(1), [1, 8, 64])
-    assert [(t.rows, t.projection) for t in timings] == [(r, p) for r in (1, 8, 64) for p in PROJECTIONS]
+    """Every projection and row count timed, and no candidate tiling skipped by the gate (each
+    builds on this GPU and computes the projection; the gate once compared O / down against an
+    input the timed calls had updated in place, and skipped all but the first)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        timings = time_projections(smol_model(1), [1, 8, 64, 256])
+    skipped = [str(w.message) for w in caught if "start-up timing skips" in str(w.message)]
+    assert not skipped, skipped[:3]
+    assert [(t.rows, t.projection) for t in timings] == [(r, p) for r in (1, 8, 64, 256) for p in PROJECTIONS]
     for t in timings:
         assert math.isfinite(t.torch_us) and math.isfinite(t.triton_us) and t.torch_us > 0 and t.triton_us > 0
         assert t.faster in BACKENDS
