@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bench_cases import assert_needs_gpu, assert_usage_error
-from graphrelay.capture.kernels import gemv
+from graphrelay.capture.kernels import gemv_tiles
 from graphrelay.tools.bench import kernels
 
 
@@ -27,11 +27,11 @@ def test_without_a_gpu_it_says_so(capsys, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("tiles,text", [
     (None, "default"),
-    (gemv.Tiles(2, 4, 1024, 8, True), "fma 2x4x1024 w8"),
-    (gemv.Tiles(16, 32, 64, 4, False), "dot 16x32x64 w4"),
-    (gemv.Tiles(16, 64, 64, 4, False, swap=True), "dot swap 16x64x64 w4"),
-    (gemv.Tiles(64, 32, 64, 4, False, early=True), "dot 64x32x64 w4 early"),
-    (gemv.Tiles(64, 32, 128, 4, False, split_k=4), "dot 64x32x128 w4 split 4"),
+    (gemv_tiles.Tiles(2, 4, 1024, 8, True), "fma 2x4x1024 w8"),
+    (gemv_tiles.Tiles(16, 32, 64, 4, False), "dot 16x32x64 w4"),
+    (gemv_tiles.Tiles(16, 64, 64, 4, False, swap=True), "dot swap 16x64x64 w4"),
+    (gemv_tiles.Tiles(64, 32, 64, 4, False, early=True), "dot 64x32x64 w4 early"),
+    (gemv_tiles.Tiles(64, 32, 128, 4, False, split_k=4), "dot 64x32x128 w4 split 4"),
 ])
 def test_the_table_names_each_tiling_with_its_flags(tiles, text):
     assert kernels._tiles_text(None if tiles is None else tiles._asdict()) == text

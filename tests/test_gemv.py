@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from graphrelay.capture.kernels import gemv
+from graphrelay.capture.kernels import gemv, gemv_tiles
 from graphrelay.capture.kernels.pdl import pdl_supported
 from graphrelay.capture.model.linear_plan import candidate_tiles
 from graphrelay.capture.kernels import layer_kernels as lk
@@ -203,7 +203,7 @@ def test_linear_residual_equals_unfused(rows, k, n, dtype, seed):
 
 # bf16 K steps of 256 (norm kernels) and 1024 / 256 (projection + residual at 16 / 64-row
 # tiles), half that in float32: K = 600 and 1100 take several, the last partial; rows 70 take
-# two row tiles. Up to gemv.FMA_MAX_ROWS rows, one row per program: K = 2500 takes two steps
+# two row tiles. Up to gemv_tiles.FMA_MAX_ROWS rows, one row per program: K = 2500 takes two steps
 # of FMA_MAX_K, the last partial.
 @pytest.mark.parametrize("rows,k", [(33, 600), (70, 40), (17, 300), (3, 1100), (2, 2500), (1, 64)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
@@ -228,7 +228,7 @@ def test_every_candidate_tiling_equals_unfused(rows, k):
         check_linear_residual("cpu", torch.bfloat16, rows, k, 20, tiles=tiles)
 
 
-def check_early_equals_late(device, dtype, rows, k, tiles: gemv.Tiles, seed=0) -> None:
+def check_early_equals_late(device, dtype, rows, k, tiles: gemv_tiles.Tiles, seed=0) -> None:
     """A tiling that requests its epilogue inputs before the K loop computes what it does after
     it, bit for bit (only the loads move), for all four fused projections."""
     heads = HEADS[0]
@@ -250,7 +250,7 @@ def check_early_equals_late(device, dtype, rows, k, tiles: gemv.Tiles, seed=0) -
 
 @pytest.mark.parametrize("rows,k", [(20, 40), (80, 600)])
 def test_early_epilogue_inputs_change_no_bit(rows, k):
-    check_early_equals_late("cpu", torch.bfloat16, rows, k, gemv.Tiles(16, 16, 64, 4, False))
+    check_early_equals_late("cpu", torch.bfloat16, rows, k, gemv_tiles.Tiles(16, 16, 64, 4, False))
 
 
 # Swapped tiles (the weight as the dot's M side) against the unfused path over random shapes:
@@ -260,7 +260,7 @@ def test_early_epilogue_inputs_change_no_bit(rows, k):
        block_m=st.sampled_from([16, 32]), seed=st.integers(0, 2**16))
 @FEW
 def test_swapped_tiles_equal_unfused(rows, k, n, dtype, block_m, seed):
-    tiles = gemv.Tiles(block_m, 64, 64, 4, False, swap=True)
+    tiles = gemv_tiles.Tiles(block_m, 64, 64, 4, False, swap=True)
     check_norm_linear("cpu", dtype, rows, k, n, with_residual=seed % 2 == 0, seed=seed, tiles=tiles)
     check_norm_gate_up_silu("cpu", dtype, rows, k, n, with_residual=seed % 2 == 1, seed=seed, tiles=tiles)
     check_linear_residual("cpu", dtype, rows, k, n, seed=seed, tiles=tiles)
@@ -273,14 +273,14 @@ def test_swapped_tiles_equal_unfused(rows, k, n, dtype, block_m, seed):
 # every call (the last split sums the partials in split order), the counters left at zero.
 @given(rows=st.integers(1, 40), k=st.one_of(st.sampled_from([16, 128]), st.integers(1, 300)),
        n=st.one_of(st.sampled_from([16, 48]), st.integers(1, 70)), dtype=st.sampled_from(DTYPES),
-       split_k=st.integers(2, gemv.MAX_SPLIT_K), block_k=st.sampled_from([16, 32, 64]), swap=st.booleans(),
+       split_k=st.integers(2, gemv_tiles.MAX_SPLIT_K), block_k=st.sampled_from([16, 32, 64]), swap=st.booleans(),
        seed=st.integers(0, 2**16))
 @FEW
 def test_split_k_tiles_equal_unfused_and_repeat_bit_for_bit(rows, k, n, dtype, split_k, block_k, swap, seed):
-    tiles = gemv.Tiles(16, 64 if swap else 16, block_k, 4, False, swap=swap, split_k=split_k)
+    tiles = gemv_tiles.Tiles(16, 64 if swap else 16, block_k, 4, False, swap=swap, split_k=split_k)
     check_linear_residual("cpu", dtype, rows, k, n, seed=seed, tiles=tiles)
     t = inputs("cpu", dtype, rows, k, n, seed)
-    workspace = gemv.SplitKWorkspace(rows, n, "cpu")
+    workspace = gemv_tiles.SplitKWorkspace(rows, n, "cpu")
     first, again = (gemv.linear_residual(t["x"], t["weight"], t["stream"], backend="triton", tiles=tiles,
                                          workspace=workspace) for _ in range(2))
     assert torch.equal(first, again)
@@ -289,12 +289,12 @@ def test_split_k_tiles_equal_unfused_and_repeat_bit_for_bit(rows, k, n, dtype, s
 
 def test_split_k_is_refused_where_it_does_not_apply_and_beyond_its_workspace():
     t = inputs("cpu", torch.float32, 20, 64, 48, seed=0)
-    split = gemv.Tiles(16, 16, 16, 4, False, split_k=2)
+    split = gemv_tiles.Tiles(16, 16, 16, 4, False, split_k=2)
     with pytest.raises(ValueError, match="split_k tilings serve linear_residual only"):
         gemv.norm_linear(t["x"], t["norm_weight"], t["weight"], EPS, backend="triton", tiles=split)
     with pytest.raises(ValueError, match="split_k tilings serve linear_residual only"):
         gemv.norm_gate_up_silu(t["x"], t["norm_weight"], t["gate_up"], EPS, backend="triton", tiles=split)
-    small = gemv.SplitKWorkspace(8, 48, "cpu")
+    small = gemv_tiles.SplitKWorkspace(8, 48, "cpu")
     stream = t["stream"].clone()
     with pytest.raises(ValueError, match="too few for 20 x 48 outputs"):
         gemv.linear_residual(t["x"], t["weight"], stream, out=stream, backend="triton", tiles=split, workspace=small)
@@ -302,17 +302,17 @@ def test_split_k_is_refused_where_it_does_not_apply_and_beyond_its_workspace():
 
 
 @pytest.mark.parametrize("tiles,match", [
-    ((1, 4, 1024, 4, True), "must be a gemv.Tiles"),
-    (gemv.Tiles(16, 16, 64, 4, False, split_k=0), "split_k must be an int in 1..8"),
-    (gemv.Tiles(16, 16, 64, 4, False, split_k=9), "split_k must be an int in 1..8"),
-    (gemv.Tiles(16, 16, 64, 4, False, split_k=2.0), "split_k must be an int"),
-    (gemv.Tiles(1, 4, 1024, 4, True, split_k=2), "an FMA tile takes 1"),
-    (gemv.Tiles(16, 16, 64, 4, False, 1), "must be bools"),
-    (gemv.Tiles(16, 16, 64, 4, False, swap=1), "must be bools"),
-    (gemv.Tiles(1, 4, 1024, 4, True, swap=True), "an FMA tile has none"),
-    (gemv.Tiles(3, 4, 1024, 4, True), "powers of two"),
-    (gemv.Tiles(1, 4, 1024, 6, True), "powers of two"),
-    (gemv.Tiles(8, 16, 64, 4, False), "needs block_m, block_n, block_k >= 16"),
+    ((1, 4, 1024, 4, True), "must be a gemv_tiles.Tiles"),
+    (gemv_tiles.Tiles(16, 16, 64, 4, False, split_k=0), "split_k must be an int in 1..8"),
+    (gemv_tiles.Tiles(16, 16, 64, 4, False, split_k=9), "split_k must be an int in 1..8"),
+    (gemv_tiles.Tiles(16, 16, 64, 4, False, split_k=2.0), "split_k must be an int"),
+    (gemv_tiles.Tiles(1, 4, 1024, 4, True, split_k=2), "an FMA tile takes 1"),
+    (gemv_tiles.Tiles(16, 16, 64, 4, False, 1), "must be bools"),
+    (gemv_tiles.Tiles(16, 16, 64, 4, False, swap=1), "must be bools"),
+    (gemv_tiles.Tiles(1, 4, 1024, 4, True, swap=True), "an FMA tile has none"),
+    (gemv_tiles.Tiles(3, 4, 1024, 4, True), "powers of two"),
+    (gemv_tiles.Tiles(1, 4, 1024, 6, True), "powers of two"),
+    (gemv_tiles.Tiles(8, 16, 64, 4, False), "needs block_m, block_n, block_k >= 16"),
 ])
 def test_bad_tiles_are_rejected_before_a_launch(tiles, match):
     t = inputs("cpu", torch.float32, 2, 8, 6, seed=0)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import triton
 
-from graphrelay.capture.kernels import attention, gemv
+from graphrelay.capture.kernels import attention, gemv, gemv_tiles
 from graphrelay.capture.kernels import layer_kernels as kernels
 from graphrelay.capture.model import linear_plan
 from graphrelay.capture.model.linear_plan import PROJECTIONS, LinearPlan, ProjectionTiming
@@ -34,7 +34,7 @@ def test_from_timings_keeps_the_faster_backend():
 
 
 def test_from_timings_keeps_the_fastest_tiling_of_a_triton_choice():
-    fma, dot = gemv.Tiles(2, 4, 1024, 4, True), gemv.Tiles(32, 16, 128, 4, False)
+    fma, dot = gemv_tiles.Tiles(2, 4, 1024, 4, True), gemv_tiles.Tiles(32, 16, 128, 4, False)
     timings = [ProjectionTiming(2, "qkv", 3.0, 2.0, fma), ProjectionTiming(2, "o", 1.0, 2.0, dot),
                ProjectionTiming(2, "gate_up", 3.0, 2.0, None), ProjectionTiming(2, "down", 3.0, 2.0, dot)]
     plan = LinearPlan.from_timings(timings)
@@ -46,10 +46,10 @@ def test_from_timings_keeps_the_fastest_tiling_of_a_triton_choice():
 
 
 @pytest.mark.parametrize("tiles,match", [
-    ({8: {"o": gemv.Tiles(1, 4, 1024, 4, True)}}, "runs on triton"),  # o is torch at 8 rows
-    ({16: {"qkv": gemv.Tiles(1, 4, 1024, 4, True)}}, "runs on triton"),  # no 16-row choice
-    ({8: {"qkv": gemv.Tiles(1, 4, 1000, 4, True)}}, "powers of two"),
-    ({8: {"qkv": gemv.Tiles(16, 16, 64, 4, False, split_k=2)}}, "split-K tiling serves only"),
+    ({8: {"o": gemv_tiles.Tiles(1, 4, 1024, 4, True)}}, "runs on triton"),  # o is torch at 8 rows
+    ({16: {"qkv": gemv_tiles.Tiles(1, 4, 1024, 4, True)}}, "runs on triton"),  # no 16-row choice
+    ({8: {"qkv": gemv_tiles.Tiles(1, 4, 1000, 4, True)}}, "powers of two"),
+    ({8: {"qkv": gemv_tiles.Tiles(16, 16, 64, 4, False, split_k=2)}}, "split-K tiling serves only"),
 ])
 def test_bad_tiles_in_a_plan_are_rejected(tiles, match):
     with pytest.raises(ValueError, match=match):
@@ -66,9 +66,9 @@ def test_candidate_tiles_are_valid_and_cover_the_rows(rows, k):
     assert with_split[: len(candidates)] == candidates and all(t.split_k == 1 for t in candidates)
     assert all(t.split_k > 1 for t in with_split[len(candidates):]) and (rows <= 4) == (with_split == candidates)
     for tiles in with_split:
-        assert gemv.check_tiles(tiles) is tiles
-        assert tiles.block_k <= max(gemv.FMA_MAX_K, 256)
-        assert max(tiles.block_m, tiles.block_n) <= gemv.SPLIT_TILE_MAX or tiles.split_k == 1
+        assert gemv_tiles.check_tiles(tiles) is tiles
+        assert tiles.block_k <= max(gemv_tiles.FMA_MAX_K, 256)
+        assert max(tiles.block_m, tiles.block_n) <= gemv_tiles.SPLIT_TILE_MAX or tiles.split_k == 1
         if tiles.fma:  # CUDA-core tiles only for decode-sized batches, never more rows than padded to
             assert rows <= 16 and tiles.block_m <= max(4, triton.next_power_of_2(rows))
 
@@ -158,7 +158,7 @@ def torch_run():
 # Mixed plans chain a Triton projection after a torch one that left its update pending (the
 # fused residual-add prologue) and a torch norm after a Triton residual epilogue.
 # The split-K tilings (O and down) share each output tile's K steps among programs.
-SPLIT_TILES = {"o": gemv.Tiles(16, 16, 16, 4, False, split_k=2), "down": gemv.Tiles(16, 16, 32, 4, False, split_k=3)}
+SPLIT_TILES = {"o": gemv_tiles.Tiles(16, 16, 16, 4, False, split_k=2), "down": gemv_tiles.Tiles(16, 16, 32, 4, False, split_k=3)}
 
 
 @pytest.mark.parametrize("backends,tiles", [
@@ -194,7 +194,7 @@ def gate_case(projection: str, rows: int = 20):
     positions = torch.arange(rows) % c.max_seq_len
     rotary = gemv.Rotary(model.rope_cos, model.rope_sin, positions, torch.zeros_like(positions),
                          model.kv_cache.keys[0], model.kv_cache.values[0], c.num_heads, c.num_kv_heads)
-    inputs = (x, attn, act, rotary, c.rms_eps, gemv.SplitKWorkspace(rows, c.hidden_size, "cpu"), None)
+    inputs = (x, attn, act, rotary, c.rms_eps, gemv_tiles.SplitKWorkspace(rows, c.hidden_size, "cpu"), None)
     layer = model.layers[0]
     return layer, inputs, linear_plan._projection_output(projection, None, layer, *inputs)
 
@@ -219,7 +219,7 @@ def test_a_tiling_that_does_not_build_or_disagrees_is_skipped_with_a_warning(fai
     """If the gate let one through, the plan could keep a tiling that computes garbage because
     it was fast; one that fails to build would stop start-up instead of losing a candidate."""
     layer, inputs, reference = gate_case("o")
-    tiles = gemv.Tiles(16, 16, 16, 4, False, split_k=2)
+    tiles = gemv_tiles.Tiles(16, 16, 16, 4, False, split_k=2)
     monkeypatch.setattr(linear_plan, "_projection_output", lambda *args: failure())
     with pytest.warns(UserWarning, match=words):
         assert not linear_plan._tiling_works("o", 20, tiles, reference, layer, inputs)

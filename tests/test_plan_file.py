@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from graphrelay.capture.iteration.engine import Engine, EngineConfig
-from graphrelay.capture.kernels import gemv
+from graphrelay.capture.kernels import gemv_tiles
 from graphrelay.capture.model import plan_file
 from graphrelay.capture.model.linear_plan import PROJECTIONS, LinearPlan
 from graphrelay.capture.model.model import LlamaModel, ModelConfig
@@ -18,8 +18,8 @@ from graphrelay.capture.serving.cli import serve_main
 
 TINY = ModelConfig.preset("tiny")
 MIXED = {"qkv": "triton", "o": "torch", "gate_up": "triton", "down": "triton"}
-FMA, DOT = gemv.Tiles(2, 4, 64, 4, True), gemv.Tiles(16, 32, 64, 4, False)
-SWAPPED = gemv.Tiles(16, 64, 64, 4, False, early=True, swap=True)
+FMA, DOT = gemv_tiles.Tiles(2, 4, 64, 4, True), gemv_tiles.Tiles(16, 32, 64, 4, False)
+SWAPPED = gemv_tiles.Tiles(16, 64, 64, 4, False, early=True, swap=True)
 PLAN = LinearPlan({1: MIXED, 16: dict.fromkeys(PROJECTIONS, "torch")},
                   tiles={1: {"qkv": FMA, "gate_up": SWAPPED, "down": DOT}})
 
@@ -50,7 +50,7 @@ def test_a_missing_file_is_measured_and_written_then_read_back_without_measuring
     again = plan_file.load_or_measure(path, model, [1, 2, 16])
     assert measured == [[16, 1, 2]]  # not measured again
     assert same_plan(again, PLAN) and again.tiles_for(1) == {"qkv": FMA, "gate_up": SWAPPED, "down": DOT}
-    assert all(isinstance(tiles, gemv.Tiles) for tiles in again.tiles_for(1).values())
+    assert all(isinstance(tiles, gemv_tiles.Tiles) for tiles in again.tiles_for(1).values())
 
 
 def test_a_file_from_before_the_tiling_flags_reads_them_as_off(tmp_path, measured):

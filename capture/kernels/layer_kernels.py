@@ -83,18 +83,26 @@ def _expect_2d(name: str, t: object) -> tuple[int, int]:
     return t.shape[0], t.shape[1]
 
 
+# Read when the kernels are defined, as triton.jit decides between compiling and interpreting.
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
 @triton.jit
 def _round_to(v, ty: tl.constexpr):
     """float32 -> `ty`, round to nearest even.
 
-    NOTE: the interpreter truncates float32 -> bfloat16 where torch and the GPU round; rounding
-    in integer ops makes every path agree bit for bit (NaN stays NaN).
+    NOTE: the interpreter truncates float32 -> bfloat16 where torch and the GPU round; there the
+    rounding is done in integer ops, which makes every path agree bit for bit (NaN stays NaN).
+    A compiled kernel converts in one instruction (`cvt.rn`, the same bits).
     """
     if ty == tl.bfloat16:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        bits = tl.where(v != v, 0x7FFF, bits)
-        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        if INTERPRETED:
+            bits = v.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            bits = tl.where(v != v, 0x7FFF, bits)
+            return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            return v.to(ty, fp_downcast_rounding="rtne")
     else:
         return v.to(ty)
 

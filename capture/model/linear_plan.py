@@ -38,7 +38,7 @@ import msgspec
 import torch
 import triton
 
-from graphrelay.capture.kernels import gemv
+from graphrelay.capture.kernels import gemv, gemv_tiles
 from graphrelay.capture.kernels import layer_kernels as kernels
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ class ProjectionTiming(msgspec.Struct, frozen=True):
     projection: str
     torch_us: float
     triton_us: float
-    tiles: gemv.Tiles | None = None
+    tiles: gemv_tiles.Tiles | None = None
 
     @property
     def faster(self) -> str:
@@ -78,8 +78,8 @@ class LayerOps:
     """One row count's projection entry points (see the module docstring for the chain)."""
 
     def __init__(self, backends: Mapping[str, str], eps: float, reduce: Callable[[torch.Tensor], torch.Tensor],
-                 pdl: bool | None, tiles: Mapping[str, gemv.Tiles] | None = None,
-                 workspace: gemv.SplitKWorkspace | None = None):
+                 pdl: bool | None, tiles: Mapping[str, gemv_tiles.Tiles] | None = None,
+                 workspace: gemv_tiles.SplitKWorkspace | None = None):
         self.backends, self.eps, self.reduce, self.pdl = dict(backends), eps, reduce, pdl
         self.tiles = dict(tiles or {})  # projection -> Triton tiling; missing: the default
         self.workspace = workspace  # a split-K tiling's scratch (the model's, allocated up front)
@@ -138,7 +138,7 @@ class LinearPlan:
     """
 
     def __init__(self, choices: Mapping[int, Mapping[str, str]] | None = None, *, default: str = "torch",
-                 pdl: bool | None = None, tiles: Mapping[int, Mapping[str, gemv.Tiles]] | None = None):
+                 pdl: bool | None = None, tiles: Mapping[int, Mapping[str, gemv_tiles.Tiles]] | None = None):
         choices = dict(choices or {})
         for rows, backends in choices.items():
             if not isinstance(rows, int) or rows < 1:
@@ -155,7 +155,7 @@ class LinearPlan:
                 raise ValueError(f"LinearPlan tiles for {rows} rows must name projections that row count runs on "
                                  f"triton, got {sorted(by_projection)} with choices {self.choices.get(rows)}")
             for projection, tiles in by_projection.items():
-                if gemv.check_tiles(tiles).split_k > 1 and projection not in SPLIT_PROJECTIONS:
+                if gemv_tiles.check_tiles(tiles).split_k > 1 and projection not in SPLIT_PROJECTIONS:
                     raise ValueError(f"LinearPlan tiles for {rows} rows: a split-K tiling serves only "
                                      f"{SPLIT_PROJECTIONS}, got {tiles} for {projection}")
         self.default, self.pdl = default, pdl
@@ -169,7 +169,7 @@ class LinearPlan:
     @classmethod
     def from_timings(cls, timings: Sequence[ProjectionTiming], pdl: bool | None = None) -> "LinearPlan":
         choices: dict[int, dict[str, str]] = {}
-        tiles: dict[int, dict[str, gemv.Tiles]] = {}
+        tiles: dict[int, dict[str, gemv_tiles.Tiles]] = {}
         for t in timings:
             choices.setdefault(t.rows, {})[t.projection] = t.faster
             if t.faster == "triton" and t.tiles is not None:
@@ -195,7 +195,7 @@ class LinearPlan:
         size = self._planned_size(rows)
         return dict.fromkeys(PROJECTIONS, self.default) if size is None else dict(self.choices[size])
 
-    def tiles_for(self, rows: int) -> dict[str, gemv.Tiles]:
+    def tiles_for(self, rows: int) -> dict[str, gemv_tiles.Tiles]:
         """The tilings of the Triton projections at `rows` (missing: the default)."""
         size = self._planned_size(rows)
         return {} if size is None else dict(self.tiles.get(size, {}))
@@ -205,7 +205,7 @@ class LinearPlan:
         return None if at == len(self._sizes) else self._sizes[at]
 
     def ops(self, rows: int, eps: float, reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
-            workspace: gemv.SplitKWorkspace | None = None) -> LayerOps:
+            workspace: gemv_tiles.SplitKWorkspace | None = None) -> LayerOps:
         """The entry points for a forward of `rows` rows. reduce: applied to a pending
         (torch-path) O / down output, e.g. the tensor-parallel all-reduce. workspace: for
         split-K tilings (one is allocated per call without it)."""
@@ -224,7 +224,7 @@ def model_shape(model: "LlamaModel") -> dict[str, int | str]:
 # Measurement
 
 
-def candidate_tiles(rows: int, k: int, split: bool = False) -> list[gemv.Tiles]:
+def candidate_tiles(rows: int, k: int, split: bool = False) -> list[gemv_tiles.Tiles]:
     """The Triton tilings start-up timing tries for a projection of `rows` rows and K = k
     (split: an O or down projection, which split-K tilings can serve).
 
@@ -244,26 +244,26 @@ def candidate_tiles(rows: int, k: int, split: bool = False) -> list[gemv.Tiles]:
     not); beyond 64 rows the 64 x 64 tile; and for O and down from 5 rows, split-K tiles
     (`Tiles.split_k`: their 576 output columns make few tiles, down's K is 1,536 long, so an
     unsplit grid leaves most of the GPU idle)."""
-    whole_k = min(triton.next_power_of_2(k), gemv.FMA_MAX_K)
+    whole_k = min(triton.next_power_of_2(k), gemv_tiles.FMA_MAX_K)
     if rows <= 4:
         m = triton.next_power_of_2(rows)
-        return [gemv.Tiles(m, 2, whole_k, 8, True), gemv.Tiles(m, 4, whole_k, 4, True)]
-    swapped = gemv.Tiles(16, 64, 64, 4, False, swap=True)
+        return [gemv_tiles.Tiles(m, 2, whole_k, 8, True), gemv_tiles.Tiles(m, 4, whole_k, 4, True)]
+    swapped = gemv_tiles.Tiles(16, 64, 64, 4, False, swap=True)
     if rows <= 16:
-        tiles = [gemv.Tiles(4, 2, whole_k, 8, True), gemv.Tiles(4, 4, whole_k, 4, True),
-                 gemv.Tiles(16, 16, 64, 4, False), gemv.Tiles(16, 32, 64, 4, False), gemv.Tiles(16, 16, 128, 4, False),
+        tiles = [gemv_tiles.Tiles(4, 2, whole_k, 8, True), gemv_tiles.Tiles(4, 4, whole_k, 4, True),
+                 gemv_tiles.Tiles(16, 16, 64, 4, False), gemv_tiles.Tiles(16, 32, 64, 4, False), gemv_tiles.Tiles(16, 16, 128, 4, False),
                  swapped]
-        splits = [gemv.Tiles(16, 16, 128, 4, False, split_k=2)]
+        splits = [gemv_tiles.Tiles(16, 16, 128, 4, False, split_k=2)]
     elif rows <= 64:
-        tiles = [gemv.Tiles(16, 32, 64, 4, False), gemv.Tiles(16, 64, 64, 4, False), gemv.Tiles(64, 16, 128, 4, False),
+        tiles = [gemv_tiles.Tiles(16, 32, 64, 4, False), gemv_tiles.Tiles(16, 64, 64, 4, False), gemv_tiles.Tiles(64, 16, 128, 4, False),
                  swapped, swapped._replace(block_m=64)]
-        splits = [gemv.Tiles(16, 32, 64, 4, False, split_k=2), gemv.Tiles(64, 16, 128, 4, False, split_k=2),
-                  gemv.Tiles(64, 16, 128, 4, False, split_k=4)]
+        splits = [gemv_tiles.Tiles(16, 32, 64, 4, False, split_k=2), gemv_tiles.Tiles(64, 16, 128, 4, False, split_k=2),
+                  gemv_tiles.Tiles(64, 16, 128, 4, False, split_k=4)]
     else:
-        plain = [gemv.Tiles(16, 64, 64, 8, False), gemv.Tiles(64, 32, 64, 4, False), gemv.Tiles(64, 32, 128, 4, False),
-                 gemv.Tiles(64, 64, 64, 4, False)]
+        plain = [gemv_tiles.Tiles(16, 64, 64, 8, False), gemv_tiles.Tiles(64, 32, 64, 4, False), gemv_tiles.Tiles(64, 32, 128, 4, False),
+                 gemv_tiles.Tiles(64, 64, 64, 4, False)]
         tiles = plain + [t._replace(early=True) for t in plain]
-        splits = [gemv.Tiles(64, 32, 128, 4, False, split_k=2), gemv.Tiles(64, 32, 128, 4, False, split_k=4)]
+        splits = [gemv_tiles.Tiles(64, 32, 128, 4, False, split_k=2), gemv_tiles.Tiles(64, 32, 128, 4, False, split_k=4)]
     return tiles + splits if split else tiles
 
 
@@ -287,7 +287,7 @@ def time_projections(model: "LlamaModel", sizes: Sequence[int], *, stream: torch
     # Zeroed before each timed replay, so the weights come from memory, not L2, as in the step.
     flush = torch.empty(torch.cuda.get_device_properties(model.device).L2_cache_size, dtype=torch.uint8,
                         device=model.device)
-    workspace = gemv.SplitKWorkspace(max(sizes), c.hidden_size, model.device)
+    workspace = gemv_tiles.SplitKWorkspace(max(sizes), c.hidden_size, model.device)
     with torch.cuda.stream(stream), torch.no_grad():
         for rows in sorted(set(sizes)):
             gen = torch.Generator(device=model.device).manual_seed(rows)
@@ -328,8 +328,8 @@ def time_projections(model: "LlamaModel", sizes: Sequence[int], *, stream: torch
     return timings
 
 
-def _projection_output(projection: str, tiles: gemv.Tiles | None, layer: "LayerWeights", x, attn, act, rotary,
-                       eps: float, workspace: gemv.SplitKWorkspace, pdl: bool | None) -> torch.Tensor:
+def _projection_output(projection: str, tiles: gemv_tiles.Tiles | None, layer: "LayerWeights", x, attn, act, rotary,
+                       eps: float, workspace: gemv_tiles.SplitKWorkspace, pdl: bool | None) -> torch.Tensor:
     """One projection's fused output on the same inputs for either path: the unfused torch
     path (tiles None) or the Triton kernel in `tiles`; O and down out of place."""
     options = dict(backend="torch") if tiles is None else dict(backend="triton", tiles=tiles, pdl=pdl)
@@ -341,7 +341,7 @@ def _projection_output(projection: str, tiles: gemv.Tiles | None, layer: "LayerW
     return gemv.linear_residual(activation, weight, x, **options, **({} if tiles is None else {"workspace": workspace}))
 
 
-def _tiling_works(projection: str, rows: int, tiles: gemv.Tiles, reference: torch.Tensor,
+def _tiling_works(projection: str, rows: int, tiles: gemv_tiles.Tiles, reference: torch.Tensor,
                   layer: "LayerWeights", inputs: tuple) -> bool:
     """Whether `tiles` builds on this GPU and agrees with the unfused output; warns when not
     (a tile too big for the GPU's shared memory is simply not a choice)."""

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import msgspec
 import torch
 
-from graphrelay.capture.kernels import gemv
+from graphrelay.capture.kernels import gemv, gemv_tiles
 from graphrelay.capture.kernels.q_blocks import Q_BLOCK, q_blocks
 from graphrelay.capture.kernels.varlen_attention import PAGE, VarlenWorkspace, identity_block_table, varlen_attention
 from graphrelay.capture.model.kv_cache import KVCache
@@ -310,7 +310,7 @@ class LlamaModel:
         self.split_workspace = None
         if self.device.type == "cuda":
             rows = min(SKINNY_ROWS, max((tokens for tokens, _ in attention_buckets or ()), default=SKINNY_ROWS))
-            self.split_workspace = gemv.SplitKWorkspace(rows, c.hidden_size, self.device, max_split=4)
+            self.split_workspace = gemv_tiles.SplitKWorkspace(rows, c.hidden_size, self.device, max_split=4)
         # Attention writes only the tokens its q-blocks cover. Padding tokens read what this
         # buffer held: zeros, or an earlier real token's output, always finite, so a padding row
         # never carries NaN from uninitialized memory into its logits, whose sampled id would

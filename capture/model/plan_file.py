@@ -19,7 +19,7 @@ import msgspec
 import torch
 
 from graphrelay.capture.files import write_atomically
-from graphrelay.capture.kernels import gemv
+from graphrelay.capture.kernels import gemv_tiles
 from graphrelay.capture.model.linear_plan import LinearPlan, model_shape
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ class PlanRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rows: list[int]  # the row counts measured (the engine's token buckets a skinny GEMM may take)
     default: str
     choices: dict[int, dict[str, str]]
-    tiles: dict[int, dict[str, gemv.Tiles]] = msgspec.field(default_factory=dict)
+    tiles: dict[int, dict[str, gemv_tiles.Tiles]] = msgspec.field(default_factory=dict)
 
 
 def device_name(device: torch.device) -> str:

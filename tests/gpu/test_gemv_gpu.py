@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from graphrelay.capture.iteration.engine import Engine, EngineConfig
-from graphrelay.capture.kernels import gemv
+from graphrelay.capture.kernels import gemv, gemv_tiles
 from graphrelay.capture.kernels.pdl import pdl_supported
 from graphrelay.capture.model.linear_plan import BACKENDS, PROJECTIONS, LinearPlan, candidate_tiles, time_projections
 from graphrelay.capture.model.model import LlamaModel, ModelConfig
@@ -120,8 +120,8 @@ def test_time_projections_reports_every_projection_and_row_count():
 # Split-K O and down at 8 rows: their partials and per-tile counters live in the model's
 # workspace, reset by each tile's last split, so every replay starts from zero counters.
 SPLIT_PLAN = LinearPlan({8: dict.fromkeys(PROJECTIONS, "triton")},
-                        tiles={8: {"o": gemv.Tiles(16, 16, 64, 4, False, split_k=2),
-                                   "down": gemv.Tiles(16, 32, 128, 4, False, split_k=4)}})
+                        tiles={8: {"o": gemv_tiles.Tiles(16, 16, 64, 4, False, split_k=2),
+                                   "down": gemv_tiles.Tiles(16, 32, 128, 4, False, split_k=4)}})
 
 
 @pytest.mark.parametrize("plan_kind", ["triton", "measured", "split-k"])

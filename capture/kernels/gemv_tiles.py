@@ -1,0 +1,105 @@
+"""How a skinny-GEMM launch (`capture.kernels.gemv`) is tiled, and the scratch its split-K
+tilings share: the tiling's fields and their rules, the default per row count, and the
+workspace allocated once for the partial products.
+
+Up to FMA_MAX_ROWS rows (decode at batch 1-16) the default runs one row per program on the CUDA
+cores, tiles of at most FMA_TILE weight elements (BLOCK_N x BLOCK_K) and K steps of at most
+FMA_MAX_K; each row's program re-reads its weight tile, from L2 after the first. Beyond, tensor-
+core tiles. Start-up timing (`capture.model.linear_plan`) picks among more tilings per projection.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+
+FMA_MAX_ROWS = 16
+FMA_TILE = 4096
+FMA_MAX_K = 2048
+MAX_SPLIT_K = 8  # programs a split-K tiling shares an output tile's K steps among, at most
+SPLIT_TILE_MAX = 128  # the widest block_m / block_n a split-K tiling may use (workspace sizing)
+
+
+class Tiles(NamedTuple):
+    """One launch's tiling: rows, output features and K elements per program and loop step,
+    warps, and whether the product runs on the CUDA cores (FMA) rather than as a tensor-core
+    dot (which needs block_m, block_n, block_k >= 16). `early`: a tensor-core tile requests its
+    epilogue inputs (residual tile, rotary positions and cache rows) before its K loop rather
+    than after it (FMA tiles always do). `swap`: a tensor-core tile computes the transposed
+    product, weight rows as the dot's M side and the x rows as its N side: Hopper's warpgroup
+    MMA takes M in 64-row steps, so a tile of fewer than 64 x rows needs the weight on that
+    side to use it (the tile's accumulator is transposed back once, after the K loop).
+    `split_k`: `linear_residual` only (a projection with a short output, a long K, or both:
+    O and down), each output tile's K steps shared by that many programs, so the grid fills
+    more of the GPU; their partial products meet in a `SplitKWorkspace` and the last to finish
+    sums them in a fixed order and adds the residual. Each distinct Tiles compiles its own
+    kernel variant."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    fma: bool
+    early: bool = False
+    swap: bool = False
+    split_k: int = 1
+
+
+def default_tiles(m: int, k: int) -> Tiles:
+    """The tiling used when a caller names none."""
+    if m <= FMA_MAX_ROWS:
+        # A program per row and a few output features, the whole K in one step where it fits:
+        # every weight byte is requested at once (before the PDL wait), and the grid has a
+        # program or more per SM even for the narrowest projection.
+        block_k = min(triton.next_power_of_2(k), FMA_MAX_K)
+        return Tiles(1, max(2, FMA_TILE // block_k), block_k, 4, True)
+    # Short K steps the pipeliner keeps TC_STAGES deep: at 16-64 rows the H200 sweep's fastest,
+    # or within 10% of it, for every projection; 64-row blocks beyond.
+    return Tiles(16 if m <= 64 else 64, 32, 64, 4, False)
+
+
+def check_tiles(tiles: object) -> Tiles:
+    if not isinstance(tiles, Tiles):
+        raise ValueError(f"tiles must be a gemv_tiles.Tiles, got {type(tiles).__name__}")
+    sizes = (tiles.block_m, tiles.block_n, tiles.block_k)
+    if any(not isinstance(v, int) or v < 1 or v & (v - 1) for v in sizes + (tiles.warps,)):
+        raise ValueError(f"tiles sizes and warps must be powers of two, got {tiles}")
+    if not all(isinstance(flag, bool) for flag in (tiles.fma, tiles.early, tiles.swap)):
+        raise ValueError(f"tiles fma, early and swap must be bools, got {tiles}")
+    if not tiles.fma and min(sizes) < 16:
+        raise ValueError(f"a tensor-core tile needs block_m, block_n, block_k >= 16, got {tiles}; or set fma=True")
+    if tiles.fma and tiles.swap:
+        raise ValueError(f"swap transposes a tensor-core product; an FMA tile has none, got {tiles}")
+    split = tiles.split_k
+    if not isinstance(split, int) or isinstance(split, bool) or not 1 <= split <= MAX_SPLIT_K:
+        raise ValueError(f"tiles split_k must be an int in 1..{MAX_SPLIT_K}, got {tiles}")
+    if split > 1 and tiles.fma:
+        raise ValueError(f"split_k shares a tensor-core tile's K loop; an FMA tile takes 1, got {tiles}")
+    return tiles
+
+
+class SplitKWorkspace:
+    """Scratch of the split-K tilings (`Tiles.split_k`), allocated once: float32 partial
+    products and a counter per output tile (zero between calls: the last split resets its
+    tile's). One workspace serves launches in sequence on one stream, as a forward makes them
+    (each launch has finished with it before the next one uses it), not concurrent ones."""
+
+    def __init__(self, max_rows: int, max_cols: int, device: torch.device | str, max_split: int = MAX_SPLIT_K):
+        if min(max_rows, max_cols, max_split) < 1:
+            raise ValueError(f"SplitKWorkspace sizes must be positive, got rows={max_rows} cols={max_cols} "
+                             f"split={max_split}")
+        # Any tiling up to SPLIT_TILE_MAX a side covers at most this much of the padded output.
+        padded = (max_rows + SPLIT_TILE_MAX - 1) * (max_cols + SPLIT_TILE_MAX - 1)
+        self.partials = torch.empty(max_split * padded, dtype=torch.float32, device=device)
+        self.done = torch.zeros(triton.cdiv(max_rows, 16) * triton.cdiv(max_cols, 16), dtype=torch.int32,
+                                device=device)
+
+    def check(self, m: int, n: int, tiles: Tiles) -> None:
+        """Before a launch: this call's tiles and partials fit."""
+        grid = triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n)
+        if (grid > self.done.numel() or grid * tiles.split_k * tiles.block_m * tiles.block_n > self.partials.numel()
+                or max(tiles.block_m, tiles.block_n) > SPLIT_TILE_MAX):
+            raise ValueError(f"SplitKWorkspace holds {self.partials.numel()} partials and {self.done.numel()} tiles, "
+                             f"too few for {m} x {n} outputs in {tiles}: size it for the largest rows and columns")
