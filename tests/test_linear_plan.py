@@ -158,7 +158,8 @@ def torch_run():
 # Mixed plans chain a Triton projection after a torch one that left its update pending (the
 # fused residual-add prologue) and a torch norm after a Triton residual epilogue.
 # The split-K tilings (O and down) share each output tile's K steps among programs.
-SPLIT_TILES = {"o": gemv_tiles.Tiles(16, 16, 16, 4, False, split_k=2), "down": gemv_tiles.Tiles(16, 16, 32, 4, False, split_k=3)}
+SPLIT_TILES = {"o": gemv_tiles.Tiles(16, 16, 16, 4, False, split_k=2),
+               "down": gemv_tiles.Tiles(16, 16, 32, 4, False, split_k=3)}
 
 
 @pytest.mark.parametrize("backends,tiles", [

@@ -38,7 +38,8 @@ import msgspec
 import torch
 import triton
 
-from graphrelay.capture.kernels import gemv, gemv_tiles
+from graphrelay.capture.kernels import gemv
+from graphrelay.capture.kernels.gemv_tiles import FMA_MAX_K, SplitKWorkspace, Tiles, check_tiles
 from graphrelay.capture.kernels import layer_kernels as kernels
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ class ProjectionTiming(msgspec.Struct, frozen=True):
     projection: str
     torch_us: float
     triton_us: float
-    tiles: gemv_tiles.Tiles | None = None
+    tiles: Tiles | None = None
 
     @property
     def faster(self) -> str:
@@ -78,8 +79,8 @@ class LayerOps:
     """One row count's projection entry points (see the module docstring for the chain)."""
 
     def __init__(self, backends: Mapping[str, str], eps: float, reduce: Callable[[torch.Tensor], torch.Tensor],
-                 pdl: bool | None, tiles: Mapping[str, gemv_tiles.Tiles] | None = None,
-                 workspace: gemv_tiles.SplitKWorkspace | None = None):
+                 pdl: bool | None, tiles: Mapping[str, Tiles] | None = None,
+                 workspace: SplitKWorkspace | None = None):
         self.backends, self.eps, self.reduce, self.pdl = dict(backends), eps, reduce, pdl
         self.tiles = dict(tiles or {})  # projection -> Triton tiling; missing: the default
         self.workspace = workspace  # a split-K tiling's scratch (the model's, allocated up front)
@@ -138,7 +139,7 @@ class LinearPlan:
     """
 
     def __init__(self, choices: Mapping[int, Mapping[str, str]] | None = None, *, default: str = "torch",
-                 pdl: bool | None = None, tiles: Mapping[int, Mapping[str, gemv_tiles.Tiles]] | None = None):
+                 pdl: bool | None = None, tiles: Mapping[int, Mapping[str, Tiles]] | None = None):
         choices = dict(choices or {})
         for rows, backends in choices.items():
             if not isinstance(rows, int) or rows < 1:
@@ -155,7 +156,7 @@ class LinearPlan:
                 raise ValueError(f"LinearPlan tiles for {rows} rows must name projections that row count runs on "
                                  f"triton, got {sorted(by_projection)} with choices {self.choices.get(rows)}")
             for projection, tiles in by_projection.items():
-                if gemv_tiles.check_tiles(tiles).split_k > 1 and projection not in SPLIT_PROJECTIONS:
+                if check_tiles(tiles).split_k > 1 and projection not in SPLIT_PROJECTIONS:
                     raise ValueError(f"LinearPlan tiles for {rows} rows: a split-K tiling serves only "
                                      f"{SPLIT_PROJECTIONS}, got {tiles} for {projection}")
         self.default, self.pdl = default, pdl
@@ -169,7 +170,7 @@ class LinearPlan:
     @classmethod
     def from_timings(cls, timings: Sequence[ProjectionTiming], pdl: bool | None = None) -> "LinearPlan":
         choices: dict[int, dict[str, str]] = {}
-        tiles: dict[int, dict[str, gemv_tiles.Tiles]] = {}
+        tiles: dict[int, dict[str, Tiles]] = {}
         for t in timings:
             choices.setdefault(t.rows, {})[t.projection] = t.faster
             if t.faster == "triton" and t.tiles is not None:
@@ -195,7 +196,7 @@ class LinearPlan:
         size = self._planned_size(rows)
         return dict.fromkeys(PROJECTIONS, self.default) if size is None else dict(self.choices[size])
 
-    def tiles_for(self, rows: int) -> dict[str, gemv_tiles.Tiles]:
+    def tiles_for(self, rows: int) -> dict[str, Tiles]:
         """The tilings of the Triton projections at `rows` (missing: the default)."""
         size = self._planned_size(rows)
         return {} if size is None else dict(self.tiles.get(size, {}))
@@ -205,7 +206,7 @@ class LinearPlan:
         return None if at == len(self._sizes) else self._sizes[at]
 
     def ops(self, rows: int, eps: float, reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
-            workspace: gemv_tiles.SplitKWorkspace | None = None) -> LayerOps:
+            workspace: SplitKWorkspace | None = None) -> LayerOps:
         """The entry points for a forward of `rows` rows. reduce: applied to a pending
         (torch-path) O / down output, e.g. the tensor-parallel all-reduce. workspace: for
         split-K tilings (one is allocated per call without it)."""
@@ -224,7 +225,7 @@ def model_shape(model: "LlamaModel") -> dict[str, int | str]:
 # Measurement
 
 
-def candidate_tiles(rows: int, k: int, split: bool = False) -> list[gemv_tiles.Tiles]:
+def candidate_tiles(rows: int, k: int, split: bool = False) -> list[Tiles]:
     """The Triton tilings start-up timing tries for a projection of `rows` rows and K = k
     (split: an O or down projection, which split-K tilings can serve).
 
@@ -238,34 +239,35 @@ def candidate_tiles(rows: int, k: int, split: bool = False) -> list[gemv_tiles.T
     inputs requested before the K loop (`Tiles.early`: on the H100 6% faster at 256 decode rows,
     3% slower at 64).
 
-    Not yet timed on a GPU (added without one, for the start-up timing to take or leave):
+    Added without a GPU, for the start-up timing to take or leave (on the H100 every one builds
+    and passes the gate; results/tiles_sweep_h100.txt times those beyond 64 rows):
     from 5 to 64 rows, swapped tiles (`Tiles.swap`: 64 weight rows as the MMA's M side, so
     tiles of 16-64 x rows can use Hopper's warpgroup MMA, which the sweeps' 16-row tiles could
     not); beyond 64 rows the 64 x 64 tile; and for O and down from 5 rows, split-K tiles
     (`Tiles.split_k`: their 576 output columns make few tiles, down's K is 1,536 long, so an
     unsplit grid leaves most of the GPU idle)."""
-    whole_k = min(triton.next_power_of_2(k), gemv_tiles.FMA_MAX_K)
+    whole_k = min(triton.next_power_of_2(k), FMA_MAX_K)
     if rows <= 4:
         m = triton.next_power_of_2(rows)
-        return [gemv_tiles.Tiles(m, 2, whole_k, 8, True), gemv_tiles.Tiles(m, 4, whole_k, 4, True)]
-    swapped = gemv_tiles.Tiles(16, 64, 64, 4, False, swap=True)
+        return [Tiles(m, 2, whole_k, 8, True), Tiles(m, 4, whole_k, 4, True)]
+    swapped = Tiles(16, 64, 64, 4, False, swap=True)
     if rows <= 16:
-        tiles = [gemv_tiles.Tiles(4, 2, whole_k, 8, True), gemv_tiles.Tiles(4, 4, whole_k, 4, True),
-                 gemv_tiles.Tiles(16, 16, 64, 4, False), gemv_tiles.Tiles(16, 32, 64, 4, False), gemv_tiles.Tiles(16, 16, 128, 4, False),
+        tiles = [Tiles(4, 2, whole_k, 8, True), Tiles(4, 4, whole_k, 4, True),
+                 Tiles(16, 16, 64, 4, False), Tiles(16, 32, 64, 4, False), Tiles(16, 16, 128, 4, False),
                  swapped]
-        splits = [gemv_tiles.Tiles(16, 16, 128, 4, False, split_k=2)]
+        splits = [Tiles(16, 16, 128, 4, False, split_k=2)]
     elif rows <= 64:
-        tiles = [gemv_tiles.Tiles(16, 32, 64, 4, False), gemv_tiles.Tiles(16, 64, 64, 4, False), gemv_tiles.Tiles(64, 16, 128, 4, False),
+        tiles = [Tiles(16, 32, 64, 4, False), Tiles(16, 64, 64, 4, False), Tiles(64, 16, 128, 4, False),
                  swapped, swapped._replace(block_m=64)]
-        splits = [gemv_tiles.Tiles(16, 32, 64, 4, False, split_k=2), gemv_tiles.Tiles(64, 16, 128, 4, False, split_k=2),
-                  gemv_tiles.Tiles(64, 16, 128, 4, False, split_k=4)]
+        splits = [Tiles(16, 32, 64, 4, False, split_k=2), Tiles(64, 16, 128, 4, False, split_k=2),
+                  Tiles(64, 16, 128, 4, False, split_k=4)]
     else:
-        plain = [gemv_tiles.Tiles(16, 64, 64, 8, False), gemv_tiles.Tiles(64, 32, 64, 4, False), gemv_tiles.Tiles(64, 32, 128, 4, False),
-                 gemv_tiles.Tiles(64, 64, 64, 4, False)]
+        plain = [Tiles(16, 64, 64, 8, False), Tiles(64, 32, 64, 4, False), Tiles(64, 32, 128, 4, False),
+                 Tiles(64, 64, 64, 4, False)]
         # 64 x 64 in 8 warps: gate/up's fastest Triton tiling at 256 rows on the H100
         # (results/tiles_sweep_h100.txt), 7% ahead of 4 warps.
-        tiles = plain + [t._replace(early=True) for t in plain] + [gemv_tiles.Tiles(64, 64, 64, 8, False)]
-        splits = [gemv_tiles.Tiles(64, 32, 128, 4, False, split_k=2), gemv_tiles.Tiles(64, 32, 128, 4, False, split_k=4)]
+        tiles = plain + [t._replace(early=True) for t in plain] + [Tiles(64, 64, 64, 8, False)]
+        splits = [Tiles(64, 32, 128, 4, False, split_k=2), Tiles(64, 32, 128, 4, False, split_k=4)]
     return tiles + splits if split else tiles
 
 
@@ -289,7 +291,7 @@ def time_projections(model: "LlamaModel", sizes: Sequence[int], *, stream: torch
     # Zeroed before each timed replay, so the weights come from memory, not L2, as in the step.
     flush = torch.empty(torch.cuda.get_device_properties(model.device).L2_cache_size, dtype=torch.uint8,
                         device=model.device)
-    workspace = gemv_tiles.SplitKWorkspace(max(sizes), c.hidden_size, model.device)
+    workspace = SplitKWorkspace(max(sizes), c.hidden_size, model.device)
     with torch.cuda.stream(stream), torch.no_grad():
         for rows in sorted(set(sizes)):
             gen = torch.Generator(device=model.device).manual_seed(rows)
@@ -330,8 +332,8 @@ def time_projections(model: "LlamaModel", sizes: Sequence[int], *, stream: torch
     return timings
 
 
-def _projection_output(projection: str, tiles: gemv_tiles.Tiles | None, layer: "LayerWeights", x, attn, act, rotary,
-                       eps: float, workspace: gemv_tiles.SplitKWorkspace, pdl: bool | None) -> torch.Tensor:
+def _projection_output(projection: str, tiles: Tiles | None, layer: "LayerWeights", x, attn, act, rotary,
+                       eps: float, workspace: SplitKWorkspace, pdl: bool | None) -> torch.Tensor:
     """One projection's fused output on the same inputs for either path: the unfused torch
     path (tiles None) or the Triton kernel in `tiles`; O and down out of place."""
     options = dict(backend="torch") if tiles is None else dict(backend="triton", tiles=tiles, pdl=pdl)
@@ -343,7 +345,7 @@ def _projection_output(projection: str, tiles: gemv_tiles.Tiles | None, layer: "
     return gemv.linear_residual(activation, weight, x, **options, **({} if tiles is None else {"workspace": workspace}))
 
 
-def _tiling_works(projection: str, rows: int, tiles: gemv_tiles.Tiles, reference: torch.Tensor,
+def _tiling_works(projection: str, rows: int, tiles: Tiles, reference: torch.Tensor,
                   layer: "LayerWeights", inputs: tuple) -> bool:
     """Whether `tiles` builds on this GPU and agrees with the unfused output; warns when not
     (a tile too big for the GPU's shared memory is simply not a choice)."""
