@@ -165,10 +165,10 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def pick_num_splits(n: int, kv_heads: int, max_len: int, sm_count: int) -> int:
-    """Splits per row: enough programs to fill the SMs, no split with under
+def pick_num_splits(n: int, kv_heads: int, max_len: int, sm_count: int, per_sm: int = TARGET_PROGRAMS_PER_SM) -> int:
+    """Splits per row: enough programs for `per_sm` per SM, no split with under
     MIN_BLOCKS_PER_SPLIT blocks at full length, at most MAX_SPLITS. Static shapes only."""
-    want = -(-TARGET_PROGRAMS_PER_SM * sm_count // (n * kv_heads))
+    want = -(-per_sm * sm_count // (n * kv_heads))
     cap = -(-max_len // BLOCK_N) // MIN_BLOCKS_PER_SPLIT
     return max(1, min(want, cap, MAX_SPLITS))
 

@@ -32,6 +32,7 @@ Tokens that no q-block covers (padding tokens) are left untouched in `out`, by b
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 import triton
@@ -41,6 +42,7 @@ from graphrelay.capture.kernels.attention import (
     _LOG2E,
     BLOCK_N,
     MIN_BLOCKS_PER_SPLIT,
+    TARGET_PROGRAMS_PER_SM,
     AttentionWorkspace,
     _check_cache_args,
     _check_max_len,
@@ -52,7 +54,9 @@ from graphrelay.capture.kernels.attention import (
 from graphrelay.capture.kernels.pdl import pdl_supported
 from graphrelay.capture.kernels.q_blocks import Q_BLOCK, check_q_block, max_q_blocks
 
-DECODE_KEY_TILE = 128  # key tile of decode-only buckets that split (see key_tile)
+DECODE_KEY_TILE = 128  # key tile of narrow decode-only grids (see tiling)
+DECODE_PROGRAMS_PER_SM = 1  # decode-only buckets split until their grid has this many per SM
+WIDE_GRID_PER_SM = 4  # decode grids of at least this many programs per SM take 2-warp programs (see tiling)
 PAGE = 16  # default page size of `identity_block_table`; the kernel takes any size from the table
 # Key rows the reference gathers at once (per K and V): bounds its memory whatever T is.
 _REFERENCE_KEY_ROWS = 1 << 16
@@ -263,22 +267,40 @@ def identity_block_table(num_slots: int, max_seq_len: int, page: int = PAGE,
     return torch.arange(num_slots * pages_per_slot, dtype=torch.int32, device=device).view(num_slots, pages_per_slot)
 
 
-def key_tile(q_block: int, num_splits: int) -> int:
-    """Keys a program walks per loop step. A decode-only bucket that splits (few rows, so few
-    programs: each walks its keys in a short chain of dependent loads) takes DECODE_KEY_TILE, the
-    rest BLOCK_N. On the H200 (SmolLM2-135M's heads, 128-1,024 keys, results/attention_tiles_h200.txt)
-    128-key tiles were 1.1-1.3 us a layer faster at 1 row and 0.4-2.6 us at 64 rows, and 0.6-6 us
-    slower at 256 rows, where one split keeps every SM busy. Static shapes only."""
-    return DECODE_KEY_TILE if q_block == 1 and num_splits > 1 else BLOCK_N
+class Tiling(NamedTuple):
+    """Keys a program walks per loop step, and its warps."""
+
+    keys: int
+    warps: int
 
 
-def pick_varlen_splits(num_blocks: int, kv_heads: int, max_len: int, sm_count: int) -> int:
-    """Splits in the grid per q-block: the decode heuristic over q-blocks instead of rows, so
-    only buckets with few blocks split (each block then uses only the splits its own key walk
-    needs: the kernel). A floor of 4 splits for every bucket was measured on the H200 and
-    dropped: a 1 x 2048 prompt 9% faster, but 255 decodes + a 512-token chunk 7% slower.
-    Static shapes only."""
-    return pick_num_splits(num_blocks, kv_heads, max_len, sm_count)
+def tiling(q_block: int, num_splits: int, programs: int, sm_count: int) -> Tiling:
+    """The launch's key tile and warps, from static shapes only (`programs`: q-blocks x KV
+    heads). Buckets with prompt chunks (q_block > 1) keep BLOCK_N keys and 4 warps. Decode-only
+    buckets were measured on the H100 (SmolLM2-135M's heads, 32-625 keys,
+    results/attention_tiles_h100.txt): a grid of at least WIDE_GRID_PER_SM programs per SM
+    (176+ rows) runs fastest in 2-warp programs over BLOCK_N-key tiles (24.8 against 29.5 us a
+    layer at 256 rows of ~300 keys, 5.8 against 7.7 at ~32 keys: more programs resident at
+    once); a narrower grid, split or not, in 4-warp programs over DECODE_KEY_TILE keys (each
+    walks its keys in a shorter chain of dependent loads)."""
+    if q_block > 1:
+        return Tiling(BLOCK_N, 4)
+    if num_splits == 1 and programs >= WIDE_GRID_PER_SM * sm_count:
+        return Tiling(BLOCK_N, 2)
+    return Tiling(DECODE_KEY_TILE, 4)
+
+
+def pick_varlen_splits(num_blocks: int, kv_heads: int, max_len: int, sm_count: int, q_block: int = Q_BLOCK) -> int:
+    """Splits in the grid per q-block, from static shapes only; each block then uses only the
+    splits its own key walk needs (the kernel). Buckets with prompt chunks: the decode
+    heuristic over q-blocks instead of rows (a floor of 4 splits for every bucket was measured
+    on the H200 and dropped: a 1 x 2048 prompt 9% faster, but 255 decodes + a 512-token chunk 7%
+    slower). Decode-only buckets (q_block 1) split only until the grid has one program per SM:
+    on the H100 at 64-128 rows of 300-500 keys one split beat the old 2-3 by 0.3-3.8 us a layer
+    (the merge's atomics and partials cost more than the shorter walks saved), while 16 rows
+    still gain from 3-4 (results/attention_tiles_h100.txt)."""
+    per_sm = TARGET_PROGRAMS_PER_SM if q_block > 1 else DECODE_PROGRAMS_PER_SM
+    return pick_num_splits(num_blocks, kv_heads, max_len, sm_count, per_sm)
 
 
 class VarlenWorkspace(AttentionWorkspace):
@@ -440,7 +462,8 @@ def _launch_triton(q, k_cache, v_cache, block_table, token_slot, token_pos, q_bl
     # each kernel overlaps the tail of the one before.
     pdl = pdl_supported(q.device)
     launch = {"launch_pdl": True} if pdl else {}
-    block = key_tile(q_block, num_splits)
+    tile = tiling(q_block, num_splits, num_blocks * kv_heads, _sm_count(q.device))
+    block = tile.keys
     # split_tiles counts BLOCK_N-key tiles: the same keys per split in this launch's tiles.
     split_tiles = max(1, split_tiles * BLOCK_N // block)
     _varlen_split_kernel[(num_blocks, kv_heads, num_splits)](
@@ -455,7 +478,7 @@ def _launch_triton(q, k_cache, v_cache, block_table, token_slot, token_pos, q_bl
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NATIVE_DOT=q.is_cuda and q.dtype != torch.float32, USE_PDL=pdl,
         SETTLED=settled, META=".cg" if settled else "",
-        num_warps=4, num_stages=2, **launch,
+        num_warps=tile.warps, num_stages=2, **launch,
     )
     return out
 
@@ -501,7 +524,8 @@ def varlen_attention(
                                 q_block_start, q_block_len, out, max_len)
     check_q_block(q_block)
     if num_splits is None:
-        num_splits = pick_varlen_splits(q_block_start.shape[0], k_cache.shape[2], length, _sm_count(q.device))
+        num_splits = pick_varlen_splits(q_block_start.shape[0], k_cache.shape[2], length, _sm_count(q.device),
+                                        q_block)
         if workspace is not None:
             num_splits = workspace.splits_that_fit(q.shape[0], num_splits)
     elif not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
