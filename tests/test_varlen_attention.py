@@ -18,8 +18,8 @@ from graphrelay.capture.kernels.varlen_attention import (
     PAGE,
     VarlenWorkspace,
     identity_block_table,
+    key_tile,
     pick_varlen_splits,
-    tiling,
     varlen_attention,
 )
 from graphrelay.lint import lint_step
@@ -281,16 +281,16 @@ def test_the_last_split_merges_and_leaves_the_counters_zero_for_the_next_call():
 
 def test_decode_grids_pick_their_tiles_and_splits_by_width():
     # 132 SMs and SmolLM2's 3 KV heads (the H100 / H200 this was measured on), 768 keys.
-    assert tiling(Q_BLOCK, 2, 64, 132) == tiling(Q_BLOCK, 1, 10_000, 132) == (64, 4)  # prompt buckets
-    assert tiling(1, 1, 256 * 3, 132) == tiling(1, 1, 176 * 3, 132) == (64, 2)  # wide decode grids
-    assert tiling(1, 1, 128 * 3, 132) == tiling(1, 3, 16 * 3, 132) == (DECODE_KEY_TILE, 4) == (128, 4)
+    assert key_tile(Q_BLOCK, 2, 64, 132) == key_tile(Q_BLOCK, 1, 10, 132) == 64  # prompt buckets
+    assert key_tile(1, 1, 256 * 3, 132) == key_tile(1, 1, 176 * 3, 132) == 64  # wide decode grids
+    assert key_tile(1, 1, 128 * 3, 132) == key_tile(1, 3, 16 * 3, 132) == DECODE_KEY_TILE == 128  # narrow ones
     # Decode-only buckets split until the grid has one program per SM; prompt buckets, four.
     assert [pick_varlen_splits(n, 3, 768, 132, q_block=1) for n in (1, 16, 32, 44, 64, 256)] == [6, 3, 2, 1, 1, 1]
     assert [pick_varlen_splits(n, 3, 768, 132) for n in (16, 64, 256)] == [6, 3, 1]
 
 
 def test_decode_blocks_that_split_walk_wide_key_tiles_and_match_the_reference():
-    """q-blocks of one token under splits take 128-key tiles (tiling): decodes ending inside
+    """q-blocks of one token under splits take 128-key tiles (key_tile): decodes ending inside
     the first tile, on its last key, and in the partial second tile, split 2 and 3 ways."""
     spans = [(1, 20, 1), (2, 127, 1), (3, 128, 1), (4, 159, 1)]
     for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, TOLERANCE[torch.bfloat16])):

@@ -32,7 +32,6 @@ Tokens that no q-block covers (padding tokens) are left untouched in `out`, by b
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import NamedTuple
 
 import torch
 import triton
@@ -54,9 +53,9 @@ from graphrelay.capture.kernels.attention import (
 from graphrelay.capture.kernels.pdl import pdl_supported
 from graphrelay.capture.kernels.q_blocks import Q_BLOCK, check_q_block, max_q_blocks
 
-DECODE_KEY_TILE = 128  # key tile of narrow decode-only grids (see tiling)
+DECODE_KEY_TILE = 128  # key tile of narrow decode-only grids (see key_tile)
 DECODE_PROGRAMS_PER_SM = 1  # decode-only buckets split until their grid has this many per SM
-WIDE_GRID_PER_SM = 4  # decode grids of at least this many programs per SM take 2-warp programs (see tiling)
+WIDE_GRID_PER_SM = 4  # decode grids of at least this many programs per SM keep BLOCK_N-key tiles (see key_tile)
 PAGE = 16  # default page size of `identity_block_table`; the kernel takes any size from the table
 # Key rows the reference gathers at once (per K and V): bounds its memory whatever T is.
 _REFERENCE_KEY_ROWS = 1 << 16
@@ -267,27 +266,18 @@ def identity_block_table(num_slots: int, max_seq_len: int, page: int = PAGE,
     return torch.arange(num_slots * pages_per_slot, dtype=torch.int32, device=device).view(num_slots, pages_per_slot)
 
 
-class Tiling(NamedTuple):
-    """Keys a program walks per loop step, and its warps."""
-
-    keys: int
-    warps: int
-
-
-def tiling(q_block: int, num_splits: int, programs: int, sm_count: int) -> Tiling:
-    """The launch's key tile and warps, from static shapes only (`programs`: q-blocks x KV
-    heads). Buckets with prompt chunks (q_block > 1) keep BLOCK_N keys and 4 warps. Decode-only
-    buckets were measured on the H100 (SmolLM2-135M's heads, 32-625 keys,
-    results/attention_tiles_h100.txt): a grid of at least WIDE_GRID_PER_SM programs per SM
-    (176+ rows) runs fastest in 2-warp programs over BLOCK_N-key tiles (24.8 against 29.5 us a
-    layer at 256 rows of ~300 keys, 5.8 against 7.7 at ~32 keys: more programs resident at
-    once); a narrower grid, split or not, in 4-warp programs over DECODE_KEY_TILE keys (each
-    walks its keys in a shorter chain of dependent loads)."""
-    if q_block > 1:
-        return Tiling(BLOCK_N, 4)
-    if num_splits == 1 and programs >= WIDE_GRID_PER_SM * sm_count:
-        return Tiling(BLOCK_N, 2)
-    return Tiling(DECODE_KEY_TILE, 4)
+def key_tile(q_block: int, num_splits: int, programs: int, sm_count: int) -> int:
+    """Keys a program walks per loop step, from static shapes only (`programs`: q-blocks x KV
+    heads). Buckets with prompt chunks take BLOCK_N. A decode-only bucket whose grid is narrow
+    (split, or under WIDE_GRID_PER_SM programs per SM) takes DECODE_KEY_TILE: each program walks
+    its keys in a shorter chain of dependent loads. On the H100 (SmolLM2-135M's heads,
+    results/attention_tiles_h100.txt) one split of 128-key tiles ran 64 rows of ~300 keys in
+    10.25 us a layer against 12.55 with 64-key tiles, 128 rows in 14.67 against 16.42; a wide
+    grid (256 rows) keeps 64-key tiles (29.5 against 27.3 at ~300 keys, but 7.7 against 10.0 at
+    ~32). 2-warp programs, faster in that probe at 256 rows, made the engine's decode at 256 rows
+    6% slower in `bench iteration`, so every launch keeps 4 warps."""
+    narrow = num_splits > 1 or programs < WIDE_GRID_PER_SM * sm_count
+    return DECODE_KEY_TILE if q_block == 1 and narrow else BLOCK_N
 
 
 def pick_varlen_splits(num_blocks: int, kv_heads: int, max_len: int, sm_count: int, q_block: int = Q_BLOCK) -> int:
@@ -462,8 +452,7 @@ def _launch_triton(q, k_cache, v_cache, block_table, token_slot, token_pos, q_bl
     # each kernel overlaps the tail of the one before.
     pdl = pdl_supported(q.device)
     launch = {"launch_pdl": True} if pdl else {}
-    tile = tiling(q_block, num_splits, num_blocks * kv_heads, _sm_count(q.device))
-    block = tile.keys
+    block = key_tile(q_block, num_splits, num_blocks * kv_heads, _sm_count(q.device))
     # split_tiles counts BLOCK_N-key tiles: the same keys per split in this launch's tiles.
     split_tiles = max(1, split_tiles * BLOCK_N // block)
     _varlen_split_kernel[(num_blocks, kv_heads, num_splits)](
@@ -478,7 +467,7 @@ def _launch_triton(q, k_cache, v_cache, block_table, token_slot, token_pos, q_bl
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NATIVE_DOT=q.is_cuda and q.dtype != torch.float32, USE_PDL=pdl,
         SETTLED=settled, META=".cg" if settled else "",
-        num_warps=tile.warps, num_stages=2, **launch,
+        num_warps=4, num_stages=2, **launch,
     )
     return out
 
