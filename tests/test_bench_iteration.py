@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from graphrelay.tools.bench import bench_main
-from graphrelay.tools.bench.iteration import DECODES, PROMPTS
+from graphrelay.tools.bench.iteration import DECODES, LONG_DECODES, PROMPTS, long_decode_shape
 from graphrelay.tools.bench.kernel_profile import breakdown, format_breakdown
 
 
@@ -20,6 +20,7 @@ def test_smoke_with_profile_writes_every_shape_and_a_breakdown_per_decode_shape(
     report = json.loads((tmp_path / "iteration_bench.json").read_text())
     shapes = [r["shape"] for r in report["rows"]]
     assert shapes[: len(PROMPTS)] == list(PROMPTS) and [f"decode {n}" for n in DECODES] == shapes[3:6]
+    assert shapes[-len(LONG_DECODES):] == [long_decode_shape(n) for n in LONG_DECODES]
     assert all(r["gpu_ms"] > 0 and r["tokens"] > 0 for r in report["rows"])
     assert list(report["kernel_profile"]) == [f"decode {n}" for n in DECODES]
     for shape, profile_row in report["kernel_profile"].items():

@@ -3,8 +3,10 @@ gets by default (token budget, buckets), and the time to first token of one prom
 engine.
 
 Shapes: prompts alone (1 x 128, 1 x 2048, 64 x 128 tokens: the last is cut into iterations of
-the token budget, and its figure is their total), decode spans alone (1, 64, 256 requests), and
-a mixed iteration (256 decodes beside a 512-token prompt chunk). Each is launched through
+the token budget, and its figure is their total), decode spans alone (1, 64, 256 requests over
+~16-key contexts: the step's fixed cost), a mixed iteration (256 decodes beside a 512-token
+prompt chunk), and decode spans over 512-key contexts (64 and 256 requests: where a serving
+run's decode rows live, and attention's share grows with the context). Each is launched through
 `Engine.launch` (staging, one copy, the graph replay of its bucket), `--repeats` times back
 to back, and timed with CUDA events on the engine's stream: GPU time per shape, with the host
 time of the launch calls beside it. TTFT: host time from `launch` of a 128-token prompt to its first
@@ -31,6 +33,8 @@ COMMAND = "graphrelay bench iteration"
 GREEDY = SamplingParams()
 PROMPTS = {"prefill 1x128": (1, 128), "prefill 1x2048": (1, 2048), "prefill 64x128": (64, 128)}
 DECODES = (1, 64, 256)
+LONG_DECODES = (64, 256)
+LONG_CONTEXT = 512  # keys per row in the long-context decode shapes
 TARGETS_MS = {"prefill 1x128": 1.5, "prefill 1x2048": 4.0, "prefill 64x128": 8.0}
 TTFT_TARGET_MS = 3.0
 
@@ -101,7 +105,15 @@ def measure(engine: Engine, scale: int, repeats: int) -> list[dict[str, Any]]:
         mixed = [decode_span(slot, GREEDY) for slot in running[1:]] + \
                 [prefill_span(1, GREEDY, [7] * (512 // scale), 0, True)]
         rows.append(_time(engine, f"mixed {len(running) - 1} decodes + 512 prompt", [mixed], repeats))
+        _prefill(engine, running, LONG_CONTEXT // scale)
+        for n in LONG_DECODES:
+            decodes = [decode_span(slot, GREEDY) for slot in running[: max(1, n // scale)]]
+            rows.append(_time(engine, long_decode_shape(n), [decodes], repeats))
     return rows
+
+
+def long_decode_shape(rows: int) -> str:
+    return f"decode {rows} @ {LONG_CONTEXT} keys"
 
 
 def profile_decodes(engine: Engine, scale: int, iterations: int) -> dict[str, dict[str, Any]]:
@@ -135,9 +147,9 @@ def _budgeted(engine: Engine, spans: list[Span]) -> list[list[Span]]:
     return iterations
 
 
-def _prefill(engine: Engine, slots: list[int]) -> None:
-    """Give every slot a 16-token prompt, so decode spans have something to extend."""
-    for iteration in _budgeted(engine, [prefill_span(s, GREEDY, [3] * 16, 0, True) for s in slots]):
+def _prefill(engine: Engine, slots: list[int], length: int = 16) -> None:
+    """Give every slot a fresh `length`-token prompt, so decode spans have something to extend."""
+    for iteration in _budgeted(engine, [prefill_span(s, GREEDY, [3] * length, 0, True) for s in slots]):
         engine.read(engine.launch(iteration), block=True)
 
 
