@@ -304,6 +304,21 @@ def test_decode_blocks_that_split_walk_wide_key_tiles_and_match_the_reference():
             assert not workspace.done.any()
 
 
+def test_a_grid_with_more_splits_than_a_walk_needs_gives_the_same_bits():
+    """A decode row uses one split per key tile it walks, up to the grid's count: any grid at
+    least that wide merges the same partials in the same order (so lowering the split count of
+    short-context buckets changes no output bit)."""
+    spans = [(1, 20, 1), (2, 127, 1), (3, 128, 1), (4, 159, 1)]  # 1, 1, 2 and 2 key tiles of 128
+    batch, k_cache, v_cache, table = small_case(dtype=torch.bfloat16, spans=spans, q_block=1)
+    outputs = []
+    for num_splits in (2, 3, 5):
+        workspace = VarlenWorkspace(len(spans), SHAPE[0], HEAD_DIM, num_splits, "cpu")
+        outputs.append(run(batch, k_cache, v_cache, table, backend="triton", num_splits=num_splits, q_block=1,
+                           workspace=workspace, split_tiles=1))
+    for other in outputs[1:]:
+        assert torch.equal(other, outputs[0])
+
+
 def test_workspace_caps_and_rejects():
     batch, k_cache, v_cache, table = small_case()
     tokens = batch["q"].shape[0]
