@@ -272,10 +272,11 @@ def key_tile(q_block: int, num_splits: int, programs: int, sm_count: int) -> int
     (split, or under WIDE_GRID_PER_SM programs per SM) takes DECODE_KEY_TILE: each program walks
     its keys in a shorter chain of dependent loads. On the H100 (SmolLM2-135M's heads,
     results/attention_tiles_h100.txt) one split of 128-key tiles ran 64 rows of ~300 keys in
-    10.25 us a layer against 12.55 with 64-key tiles, 128 rows in 14.67 against 16.42; a wide
-    grid (256 rows) keeps 64-key tiles (29.5 against 27.3 at ~300 keys, but 7.7 against 10.0 at
-    ~32). 2-warp programs, faster in that probe at 256 rows, made the engine's decode at 256 rows
-    6% slower in `bench iteration`, so every launch keeps 4 warps."""
+    10.25 us a layer against 12.55 with 64-key tiles, 128 rows in 14.67 against 16.42. A wide
+    grid (256 rows) keeps 64-key tiles: there 128-key tiles won at ~300 keys (27.3 against
+    29.5 us) but lost at ~32 (10.0 against 7.7), and only the old choice has been timed in the
+    engine. 2-warp programs, faster in that probe at 256 rows, made the engine's decode at 256
+    rows 6% slower in `bench iteration`, so every launch keeps 4 warps."""
     narrow = num_splits > 1 or programs < WIDE_GRID_PER_SM * sm_count
     return DECODE_KEY_TILE if q_block == 1 and narrow else BLOCK_N
 
