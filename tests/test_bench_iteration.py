@@ -22,7 +22,8 @@ def test_smoke_with_profile_writes_every_shape_and_a_breakdown_per_decode_shape(
     assert shapes[: len(PROMPTS)] == list(PROMPTS) and [f"decode {n}" for n in DECODES] == shapes[3:6]
     assert shapes[-len(LONG_DECODES):] == [long_decode_shape(n) for n in LONG_DECODES]
     assert all(r["gpu_ms"] > 0 and r["tokens"] > 0 for r in report["rows"])
-    assert list(report["kernel_profile"]) == [f"decode {n}" for n in DECODES]
+    profiled = [f"decode {n}" for n in DECODES] + [long_decode_shape(n) for n in LONG_DECODES]
+    assert list(report["kernel_profile"]) == profiled
     for shape, profile_row in report["kernel_profile"].items():
         assert profile_row["kernels_per_iteration"] > 0 and profile_row["kernels"], shape
         assert profile_row["gpu_us_per_iteration"] == pytest.approx(

@@ -34,6 +34,7 @@ GREEDY = SamplingParams()
 PROMPTS = {"prefill 1x128": (1, 128), "prefill 1x2048": (1, 2048), "prefill 64x128": (64, 128)}
 DECODES = (1, 64, 256)
 LONG_DECODES = (64, 256)
+SHORT_CONTEXT = 16  # prompt tokens per row before the decode shapes: the step's fixed cost
 LONG_CONTEXT = 512  # keys per row in the long-context decode shapes
 TARGETS_MS = {"prefill 1x128": 1.5, "prefill 1x2048": 4.0, "prefill 64x128": 8.0}
 TTFT_TARGET_MS = 3.0
@@ -117,15 +118,19 @@ def long_decode_shape(rows: int) -> str:
 
 
 def profile_decodes(engine: Engine, scale: int, iterations: int) -> dict[str, dict[str, Any]]:
-    """`kernel_profile.breakdown` of each decode shape's iteration (after `measure`, which
-    gave every slot a prompt)."""
+    """`kernel_profile.breakdown` of each decode shape's iteration, over the contexts `measure`
+    timed it at (every slot's prompt is laid down afresh for each context)."""
     profiles = {}
+    running = list(range(1, engine.max_batch + 1))
+    contexts = ((SHORT_CONTEXT, DECODES, "decode {}".format), (LONG_CONTEXT // scale, LONG_DECODES, long_decode_shape))
     with engine.activate():
-        for n in DECODES:
-            decodes = [decode_span(slot, GREEDY) for slot in range(1, max(1, n // scale) + 1)]
-            engine.read(engine.launch(decodes), block=True)  # warm
-            profiles[f"decode {n}"] = kernel_profile.profile_kernels(
-                lambda: engine.read(engine.launch(decodes), block=True), iterations, engine.device)
+        for length, counts, shape in contexts:
+            _prefill(engine, running, length)
+            for n in counts:
+                decodes = [decode_span(slot, GREEDY) for slot in running[: max(1, n // scale)]]
+                engine.read(engine.launch(decodes), block=True)  # warm
+                profiles[shape(n)] = kernel_profile.profile_kernels(
+                    lambda: engine.read(engine.launch(decodes), block=True), iterations, engine.device)
     return profiles
 
 
@@ -147,7 +152,7 @@ def _budgeted(engine: Engine, spans: list[Span]) -> list[list[Span]]:
     return iterations
 
 
-def _prefill(engine: Engine, slots: list[int], length: int = 16) -> None:
+def _prefill(engine: Engine, slots: list[int], length: int = SHORT_CONTEXT) -> None:
     """Give every slot a fresh `length`-token prompt, so decode spans have something to extend."""
     for iteration in _budgeted(engine, [prefill_span(s, GREEDY, [3] * length, 0, True) for s in slots]):
         engine.read(engine.launch(iteration), block=True)
