@@ -426,7 +426,7 @@ def varlen_attention_reference(
 
 
 def _launch_triton(q, k_cache, v_cache, block_table, token_slot, token_pos, q_block_start,
-                   q_block_len, scale, out, workspace, num_splits, q_block, split_tiles, settled):
+                   q_block_len, scale, out, workspace, num_splits, q_block, split_tiles, settled, sm_count):
     num_tokens, heads, head_dim = q.shape
     num_slots, max_seq_len, kv_heads = k_cache.shape[:3]
     group = heads // kv_heads
@@ -453,7 +453,7 @@ def _launch_triton(q, k_cache, v_cache, block_table, token_slot, token_pos, q_bl
     # each kernel overlaps the tail of the one before.
     pdl = pdl_supported(q.device)
     launch = {"launch_pdl": True} if pdl else {}
-    block = key_tile(q_block, num_splits, num_blocks * kv_heads, _sm_count(q.device))
+    block = key_tile(q_block, num_splits, num_blocks * kv_heads, sm_count)
     # split_tiles counts BLOCK_N-key tiles: the same keys per split in this launch's tiles.
     split_tiles = max(1, split_tiles * BLOCK_N // block)
     _varlen_split_kernel[(num_blocks, kv_heads, num_splits)](
@@ -513,9 +513,9 @@ def varlen_attention(
     length = _check_varlen_args(q, k_cache, v_cache, block_table, token_slot, token_pos,
                                 q_block_start, q_block_len, out, max_len)
     check_q_block(q_block)
+    sm_count = _sm_count(q.device)
     if num_splits is None:
-        num_splits = pick_varlen_splits(q_block_start.shape[0], k_cache.shape[2], length, _sm_count(q.device),
-                                        q_block)
+        num_splits = pick_varlen_splits(q_block_start.shape[0], k_cache.shape[2], length, sm_count, q_block)
         if workspace is not None:
             num_splits = workspace.splits_that_fit(q.shape[0], num_splits)
     elif not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
@@ -524,4 +524,4 @@ def varlen_attention(
         raise ValueError(f"split_tiles must be a positive int, got {split_tiles!r}")
     return _launch_triton(q, k_cache, v_cache, block_table, token_slot, token_pos, q_block_start,
                           q_block_len, scale, out, workspace, num_splits, q_block, split_tiles,
-                          bool(metadata_settled))
+                          bool(metadata_settled), sm_count)

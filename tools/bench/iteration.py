@@ -101,20 +101,27 @@ def measure(engine: Engine, scale: int, repeats: int) -> list[dict[str, Any]]:
         running = list(range(1, engine.max_batch + 1))
         _prefill(engine, running)
         for n in DECODES:
-            decodes = [decode_span(slot, GREEDY) for slot in running[: max(1, n // scale)]]
-            rows.append(_time(engine, f"decode {n}", [decodes], repeats))
+            rows.append(_time(engine, decode_shape(n), [_decodes(running, n, scale)], repeats))
         mixed = [decode_span(slot, GREEDY) for slot in running[1:]] + \
                 [prefill_span(1, GREEDY, [7] * (512 // scale), 0, True)]
         rows.append(_time(engine, f"mixed {len(running) - 1} decodes + 512 prompt", [mixed], repeats))
         _prefill(engine, running, LONG_CONTEXT // scale)
         for n in LONG_DECODES:
-            decodes = [decode_span(slot, GREEDY) for slot in running[: max(1, n // scale)]]
-            rows.append(_time(engine, long_decode_shape(n), [decodes], repeats))
+            rows.append(_time(engine, long_decode_shape(n), [_decodes(running, n, scale)], repeats))
     return rows
+
+
+def decode_shape(rows: int) -> str:
+    return f"decode {rows}"
 
 
 def long_decode_shape(rows: int) -> str:
     return f"decode {rows} @ {LONG_CONTEXT} keys"
+
+
+def _decodes(running: list[int], rows: int, scale: int) -> list[Span]:
+    """Decode spans of the first `rows` running slots (scaled down for smoke runs)."""
+    return [decode_span(slot, GREEDY) for slot in running[: max(1, rows // scale)]]
 
 
 def profile_decodes(engine: Engine, scale: int, iterations: int) -> dict[str, dict[str, Any]]:
@@ -122,12 +129,12 @@ def profile_decodes(engine: Engine, scale: int, iterations: int) -> dict[str, di
     timed it at (every slot's prompt is laid down afresh for each context)."""
     profiles = {}
     running = list(range(1, engine.max_batch + 1))
-    contexts = ((SHORT_CONTEXT, DECODES, "decode {}".format), (LONG_CONTEXT // scale, LONG_DECODES, long_decode_shape))
+    contexts = ((SHORT_CONTEXT, DECODES, decode_shape), (LONG_CONTEXT // scale, LONG_DECODES, long_decode_shape))
     with engine.activate():
         for length, counts, shape in contexts:
             _prefill(engine, running, length)
             for n in counts:
-                decodes = [decode_span(slot, GREEDY) for slot in running[: max(1, n // scale)]]
+                decodes = _decodes(running, n, scale)
                 engine.read(engine.launch(decodes), block=True)  # warm
                 profiles[shape(n)] = kernel_profile.profile_kernels(
                     lambda: engine.read(engine.launch(decodes), block=True), iterations, engine.device)
