@@ -16,10 +16,14 @@ from graphrelay.capture.kernels.q_blocks import Q_BLOCK, max_q_blocks, q_blocks
 from graphrelay.capture.kernels.varlen_attention import (
     DECODE_KEY_TILE,
     PAGE,
+    REGISTERS_PER_SM,
+    WARPS,
+    WIDE_DECODE_PROGRAMS_PER_SM,
     VarlenWorkspace,
     identity_block_table,
     key_tile,
     pick_varlen_splits,
+    register_cap,
     varlen_attention,
 )
 from graphrelay.lint import lint_step
@@ -287,6 +291,18 @@ def test_decode_grids_pick_their_tiles_and_splits_by_width():
     # Decode-only buckets split until the grid has one program per SM; prompt buckets, four.
     assert [pick_varlen_splits(n, 3, 768, 132, q_block=1) for n in (1, 16, 32, 44, 64, 256)] == [6, 3, 2, 1, 1, 1]
     assert [pick_varlen_splits(n, 3, 768, 132) for n in (16, 64, 256)] == [6, 3, 1]
+
+
+def test_wide_decode_grids_are_capped_to_fit_six_programs_an_sm():
+    # 80 registers x 128 threads x 6 programs fits the 65,536-register file; 88 would not.
+    cap = register_cap(1, 1, 256 * 3, 132)
+    assert cap == 80 and cap * WARPS * 32 * WIDE_DECODE_PROGRAMS_PER_SM <= REGISTERS_PER_SM
+    assert (cap + 8) * WARPS * 32 * WIDE_DECODE_PROGRAMS_PER_SM > REGISTERS_PER_SM
+    assert register_cap(1, 1, 176 * 3, 132) == 80  # the narrowest grid that keeps 64-key tiles
+    # Narrow decode grids, split ones and prompt buckets keep the compiler's own allocation.
+    assert register_cap(1, 1, 128 * 3, 132) is None
+    assert register_cap(1, 2, 256 * 3, 132) is None
+    assert register_cap(Q_BLOCK, 1, 256 * 3, 132) is None
 
 
 def test_decode_blocks_that_split_walk_wide_key_tiles_and_match_the_reference():

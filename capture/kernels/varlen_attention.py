@@ -56,6 +56,9 @@ from graphrelay.capture.kernels.q_blocks import Q_BLOCK, check_q_block, max_q_bl
 DECODE_KEY_TILE = 128  # key tile of narrow decode-only grids (see key_tile)
 DECODE_PROGRAMS_PER_SM = 1  # decode-only buckets split until their grid has this many per SM
 WIDE_GRID_PER_SM = 4  # decode grids of at least this many programs per SM keep BLOCK_N-key tiles (see key_tile)
+WIDE_DECODE_PROGRAMS_PER_SM = 6  # programs of a wide decode grid each SM is to hold at once (see register_cap)
+REGISTERS_PER_SM = 65536  # 32-bit registers in one SM's register file (Ampere, Hopper)
+WARPS = 4  # warps per program, every launch
 PAGE = 16  # default page size of `identity_block_table`; the kernel takes any size from the table
 # Key rows the reference gathers at once (per K and V): bounds its memory whatever T is.
 _REFERENCE_KEY_ROWS = 1 << 16
@@ -277,8 +280,28 @@ def key_tile(q_block: int, num_splits: int, programs: int, sm_count: int) -> int
     29.5 us) but lost at ~32 (10.0 against 7.7), and only the old choice has been timed in the
     engine. 2-warp programs, faster in that probe at 256 rows, made the engine's decode at 256
     rows 6% slower in `bench iteration`, so every launch keeps 4 warps."""
-    narrow = num_splits > 1 or programs < WIDE_GRID_PER_SM * sm_count
-    return DECODE_KEY_TILE if q_block == 1 and narrow else BLOCK_N
+    return BLOCK_N if q_block > 1 or _wide_decode(q_block, num_splits, programs, sm_count) else DECODE_KEY_TILE
+
+
+def register_cap(q_block: int, num_splits: int, programs: int, sm_count: int) -> int | None:
+    """Registers per thread a launch may use (ptxas' `maxnreg`), or None for the compiler's
+    choice, from static shapes only. A wide decode-only grid is capped so that
+    WIDE_DECODE_PROGRAMS_PER_SM programs fit one SM's register file: on the H100 the kernel
+    compiled to 96 registers, 5 programs an SM, so 256 decode rows (768 programs on 132 SMs)
+    ran in 1.2 waves, the last fifth of the programs walking their keys while most SMs idled
+    (Nsight Compute, 512-key contexts: 55.8 us a layer, DRAM at 58% of its peak, 26% of the
+    warp slots occupied). Capped at 80, 6 fit: one wave up to 264 rows. The cap changes
+    register allocation only, never the instructions' arithmetic, so results keep their bits."""
+    if not _wide_decode(q_block, num_splits, programs, sm_count):
+        return None
+    per_thread = REGISTERS_PER_SM // (WIDE_DECODE_PROGRAMS_PER_SM * WARPS * 32)
+    return per_thread // 8 * 8  # registers are allocated to a warp in steps of 8 a thread
+
+
+def _wide_decode(q_block: int, num_splits: int, programs: int, sm_count: int) -> bool:
+    """A decode-only grid (one token per q-block) of one split with WIDE_GRID_PER_SM or more
+    programs per SM."""
+    return q_block == 1 and num_splits == 1 and programs >= WIDE_GRID_PER_SM * sm_count
 
 
 def pick_varlen_splits(num_blocks: int, kv_heads: int, max_len: int, sm_count: int, q_block: int = Q_BLOCK) -> int:
@@ -453,7 +476,11 @@ def _launch_triton(q, k_cache, v_cache, block_table, token_slot, token_pos, q_bl
     # each kernel overlaps the tail of the one before.
     pdl = pdl_supported(q.device)
     launch = {"launch_pdl": True} if pdl else {}
-    block = key_tile(q_block, num_splits, num_blocks * kv_heads, sm_count)
+    programs = num_blocks * kv_heads
+    block = key_tile(q_block, num_splits, programs, sm_count)
+    cap = register_cap(q_block, num_splits, programs, sm_count)
+    if cap is not None:
+        launch["maxnreg"] = cap
     # split_tiles counts BLOCK_N-key tiles: the same keys per split in this launch's tiles.
     split_tiles = max(1, split_tiles * BLOCK_N // block)
     _varlen_split_kernel[(num_blocks, kv_heads, num_splits)](
@@ -468,7 +495,7 @@ def _launch_triton(q, k_cache, v_cache, block_table, token_slot, token_pos, q_bl
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NATIVE_DOT=q.is_cuda and q.dtype != torch.float32, USE_PDL=pdl,
         SETTLED=settled, META=".cg" if settled else "",
-        num_warps=4, num_stages=2, **launch,
+        num_warps=WARPS, num_stages=2, **launch,
     )
     return out
 
