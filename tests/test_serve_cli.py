@@ -176,8 +176,11 @@ def test_ctrl_c_stops_every_tensor_parallel_rank():
     rank process outlives it (the parent terminates them; none is left blocked in gloo)."""
     cmd = [sys.executable, "-m", "graphrelay.tools.cli", "serve", "--tp", "2", "--model", "tiny", "--device", "cpu",
            "--num-requests", "5000", "--prompt-len", "4,8", "--output-len", "200,200"]
+    # Ctrl-C's default action in the child whatever this test runs under: a shell that starts a
+    # job in the background without job control (`nohup cmd &`) leaves SIGINT ignored, and an
+    # ignored SIGINT would be inherited, so the run under test would never see it.
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in proc.stderr:  # wait until the ranks are serving
         if "tensor parallel: spawning" in line:
             break
