@@ -123,6 +123,9 @@ def stub_app(seen: list[dict]):
     async def models(request):
         return JSONResponse({"object": "list", "data": [{"id": "stub-model", "object": "model"}]})
 
+    async def health(request):  # as graphrelay's server names its engine's device
+        return JSONResponse({"engine": "running", "device": "Stub GPU"})
+
     async def completions(request):
         body = await request.json()
         seen.append(body)
@@ -144,7 +147,8 @@ def stub_app(seen: list[dict]):
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    return Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"])])
+    return Starlette(routes=[Route("/v1/models", models), Route("/health", health),
+                             Route("/v1/completions", completions, methods=["POST"])])
 
 
 @contextlib.contextmanager
@@ -206,7 +210,7 @@ def test_smoke_sweep_over_http_writes_its_own_report(stub_server, tmp_path, caps
     assert bench_main(["serve", "--smoke", "--url", url, "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "serve_http_bench.json").read_text())
     assert not (tmp_path / "serve_bench.json").exists()  # the in-process results stay apart
-    assert report["served"] == {"mode": "http", "url": url, "served_model": "stub-model"}
+    assert report["served"] == {"mode": "http", "url": url, "served_model": "stub-model", "server_device": "Stub GPU"}
     requests = smoke_requests()
     want = [stub_token_count({"max_tokens": r.max_new_tokens, "prompt": r.prompt}) for r in requests]
     for p in report["points"]:
@@ -257,7 +261,9 @@ def test_a_failing_server_is_reported_not_raised(tmp_path, capsys):
     app = Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", broken, methods=["POST"])])
     with serving(app) as url:
         assert bench_main(["serve", "--smoke", "--url", url, "--rates", "inf", "--out", str(tmp_path)]) == 1
-    (point,) = json.loads((tmp_path / "serve_http_bench.json").read_text())["points"]
+    report = json.loads((tmp_path / "serve_http_bench.json").read_text())
+    assert report["served"]["server_device"] is None  # no /health naming one: another OpenAI-compatible server
+    (point,) = report["points"]
     assert point["failed"] == point["requests"] and point["completed"] == 0
     assert point["first_error"].startswith("HTTP 500") and "boom" in point["first_error"]
     assert point["ttft_ms"]["p50"] is None

@@ -148,6 +148,7 @@ def test_the_engine_thread_runs_on_the_engines_cuda_device(device, bound, monkey
     """A new thread starts on device 0: "cuda" (no index) is the device current where the worker
     was built, and torch.cuda.set_device refuses a device without an index."""
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Fake GPU")  # for /health
     seen = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: seen.append(index))
 
@@ -160,4 +161,5 @@ def test_the_engine_thread_runs_on_the_engines_cuda_device(device, bound, monkey
         await worker.stop()
         return worker.health()
 
-    assert asyncio.run(main())["engine"] == "stopped" and seen == [bound]
+    health = asyncio.run(main())
+    assert health["engine"] == "stopped" and health["device"] == "Fake GPU" and seen == [bound]

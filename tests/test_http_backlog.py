@@ -22,7 +22,7 @@ TEXT = "The capital of France is Paris, and the capital of Italy is Rome."
 
 class _Handle(EngineHandle):
     def __init__(self):
-        super().__init__(EngineInfo(ModelConfig.preset("tiny"), 2, 8, True), 0)
+        super().__init__(EngineInfo(ModelConfig.preset("tiny"), 2, 8, True, "cpu"), 0)
         self.aborted: list[str] = []
 
     def abort(self, request_id: str) -> None:

@@ -49,6 +49,7 @@ def test_models_and_health(server):
     assert models["data"][0]["max_model_len"] == CONTEXT
     state = wait_until_idle(server)
     assert state["engine"] == "running" and state["slots"] == SLOTS and state["capacity"] == SLOTS + WAITING
+    assert state["device"] == "cpu"  # the engine's, which `bench serve --url` records as the server's
 
 
 def _stream_completion(client, **kwargs):

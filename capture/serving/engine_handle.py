@@ -42,10 +42,14 @@ class EngineInfo(msgspec.Struct, frozen=True):
     max_reqs: int
     max_top_k: int
     has_controls: bool
+    device: str  # the engine's device by name (`GET /health`), e.g. "NVIDIA H100 80GB HBM3", or "cpu"
 
     @classmethod
     def of(cls, engine) -> "EngineInfo":
-        return cls(engine.model.config, engine.max_reqs, engine.config.max_top_k, engine.controls is not None)
+        from graphrelay.capture.model.plan_file import device_name  # the engine's side only: it imports Triton
+
+        return cls(engine.model.config, engine.max_reqs, engine.config.max_top_k, engine.controls is not None,
+                   device_name(engine.device))
 
 
 def resident_bytes(pid: str = "self") -> Optional[int]:
@@ -130,14 +134,15 @@ class EngineHandle:
     def health(self) -> dict:
         """The loop's slots are the relay's rows and the KV cache's ranges both (the block table
         maps each slot to its own range): `free_slots == slots` means neither leaked.
-        `rss_bytes`: the server's resident memory (every process of it), for soak runs."""
+        `rss_bytes`: the server's resident memory (every process of it), for soak runs; `device`:
+        what the engine runs on, so a client's benchmark can name the card it measured."""
         occupancy = dict(self.occupancy())
         # An engine process measures the whole server (itself and every API server process);
         # until it first has, or with the engine in this process, this process's own.
         rss = occupancy.pop("server_rss_bytes", None) or resident_bytes()
         return {"engine": "failed" if self.failure else ("running" if self.running() else "stopped"),
                 "outstanding": self._outstanding, "capacity": self.capacity, "finished": dict(self._finished),
-                **occupancy, "rss_bytes": rss}
+                **occupancy, "rss_bytes": rss, "device": self.info.device}
 
     def _deliver(self) -> None:
         # Cleared before draining: an event posted from here on either is drained below or

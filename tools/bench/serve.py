@@ -304,7 +304,7 @@ def in_process_timing(request: Request, output: RequestOutput) -> Timing:
 def run_over_http(plan: Plan, command: list[str], out) -> int:
     """The same workload against `plan.url`. Checks (server reachable, model served, a
     tokenizer for text prompts) come before the first request is sent."""
-    from graphrelay.tools.bench.serve_http import pick_model, run_http  # httpx: only this mode needs it
+    from graphrelay.tools.bench.serve_http import pick_model, run_http, server_device  # httpx: only this mode needs it
 
     codec = TextCodec(resolve_gguf_path(plan.gguf)) if uses_gguf(plan.model, plan.weights, plan.gguf) else None
     if plan.prompt_format == "text" and codec is None:
@@ -328,7 +328,7 @@ def run_over_http(plan: Plan, command: list[str], out) -> int:
         late = lag["p99"] > CLIENT_LAG_WARN_MS or busy > CLIENT_BUSY_WARN
         say(point_line(points[-1]) + (f"; CLIENT-BOUND (send lag p99 {lag['p99']:.0f} ms, client CPU {busy:.0%}): "
                                       f"these figures measure the client too" if late else ""))
-    served = {"mode": "http", "url": plan.url, "served_model": model}
+    served = {"mode": "http", "url": plan.url, "served_model": model, "server_device": server_device(plan.url)}
     write_report(plan, command, out, (HTTP_JSON_NAME, HTTP_PLOT_NAME), torch.device("cpu"), served, points,
                  http_targets(points, plan, out / JSON_NAME), start)
     return 1 if any(p["failed"] for p in points) else 0

@@ -49,6 +49,17 @@ def served_models(url: str) -> list[str]:
                          f"is this an OpenAI-compatible server?") from None
 
 
+def server_device(url: str) -> Optional[str]:
+    """The device a graphrelay server names in `GET {url}/health`; None from a server that
+    names none (another OpenAI-compatible server) or does not answer there. The report's own
+    environment is the client's machine: this says which card answered."""
+    try:
+        device = httpx.get(f"{url}/health", timeout=CONNECT_TIMEOUT_S).json().get("device")
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return device if isinstance(device, str) else None
+
+
 def pick_model(url: str, asked: Optional[str]) -> str:
     """The model to request: `asked` (--served-model) if the server serves it, else the first
     it lists; a usage error otherwise."""
