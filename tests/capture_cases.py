@@ -66,6 +66,7 @@ def build_stack(
     use_graphs: bool = True,
     depth: int = 3,
     plan: Optional[LinearPlan] = None,
+    max_top_k: Optional[int] = None,
 ) -> Stack:
     """A stack, warmed up (and captured when `use_graphs` on CUDA), mirror reset to iteration 0.
 
@@ -77,7 +78,7 @@ def build_stack(
     # sync; the scheduler validates slots where it assigns them). The tests drive its parts.
     engine = Engine(EngineConfig(MODEL, max_reqs=max_reqs, max_batch=max_batch, device=str(device),
                                  use_graphs=use_graphs, buckets=tuple(buckets) if buckets else None,
-                                 max_top_k=None, mirror_depth=depth, max_tokens=max_tokens))
+                                 max_top_k=max_top_k, mirror_depth=depth, max_tokens=max_tokens))
     runner = engine.runner
     stream = torch.cuda.current_stream(device) if device.type == "cuda" else 0
     stack = Stack(engine.relay, engine.model, engine.mirror, engine.inputs, engine.step, runner, stream, engine)

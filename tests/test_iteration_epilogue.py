@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from graphrelay import FieldSpec, Relay, RelayConfig, RelayPayload
 from graphrelay.capture.kernels.iteration_epilogue import check_fusable, stash_publish_mirror
+from graphrelay.capture.kernels.sampling_kernel import sample_chunks, sample_triton
 from graphrelay.mirror import HostMirror
 from relay_cases import bits
 
@@ -87,6 +88,52 @@ def test_fused_epilogue_equals_stash_publish_and_mirror_write(seed, sizes, token
         for name in want:
             assert torch.equal(bits(got[name]), bits(want[name])), \
                 f"iteration {n} ({rows} rows): {name} differs: fused {got[name].tolist()} vs glue {want[name].tolist()}"
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31 - 1), sizes=st.lists(st.integers(1, MAX_BATCH), min_size=1, max_size=DEPTH + 1),
+       vocab=st.integers(1, 200), chunk=st.sampled_from([16, 64]))
+def test_the_epilogue_picks_the_samplers_tokens(seed, sizes, vocab, chunk):
+    """Given the sampler's chunk results, the epilogue's own last pass writes into `target`
+    exactly the tokens the three-launch sampler returns (greedy rows, temperature, top-k and
+    top-p rows, ties from rounded logits), and the relay and the ring then hold what the library
+    ops write for those tokens. If this failed, the plain step would emit other tokens than the
+    sampler draws."""
+    glue_relay, glue_mirror = build("int32", "int64", "torch", False, seed)
+    fused_relay, fused_mirror = build("int32", "int64", "torch", False, seed)
+    gen = torch.Generator().manual_seed(seed)
+    for n, rows in enumerate(sizes):
+        it = Iteration(gen, rows)
+        logits = (3 * torch.randn(rows, vocab, generator=gen)).round().to(torch.bfloat16)
+        temperature = torch.where(torch.rand(rows, generator=gen) < 0.4, 0.0, 0.3 + torch.rand(rows, generator=gen))
+        top_k = torch.randint(0, vocab + 2, (rows,), generator=gen)
+        top_p = torch.where(torch.rand(rows, generator=gen) < 0.5, 0.2 + 0.7 * torch.rand(rows, generator=gen), 1.0)
+        seeds, steps = torch.randint(0, 2**40, (2, rows), generator=gen)
+        width = min(vocab, 32)
+        it.target = sample_triton(logits, temperature, top_k, top_p, seeds, steps, torch.empty(rows, dtype=torch.int64),
+                                  width, chunk=chunk)
+        glue(glue_relay, glue_mirror, it)
+        picks = sample_chunks(logits, temperature, top_k, top_p, seeds, steps, width, chunk=chunk)
+        target = torch.full((rows,), -1, dtype=torch.int64)
+        stash_publish_mirror(fused_relay, fused_mirror, it.span_slot, it.span_samples, it.row_live, target,
+                             it.row_positions, picks=picks)
+        assert torch.equal(target, it.target), f"iteration {n}: picked {target.tolist()}, sampled {it.target.tolist()}"
+        want, got = state(glue_relay, glue_mirror), state(fused_relay, fused_mirror)
+        for name in want:
+            assert torch.equal(bits(got[name]), bits(want[name])), f"iteration {n} ({rows} rows): {name} differs"
+
+
+def test_picks_must_cover_the_rows():
+    relay, mirror = build("int32", "int32", "torch", False, seed=2)
+    logits = torch.randn(3, 40)
+    params = (torch.zeros(3), torch.zeros(3, dtype=torch.int64), None, torch.zeros(3, dtype=torch.int64),
+              torch.zeros(3, dtype=torch.int64))
+    picks = sample_chunks(logits, *params, 8)
+    counter = mirror.device_ring[1].clone()
+    with pytest.raises(ValueError, match="picks hold 3 rows, target 2"):
+        stash_publish_mirror(relay, mirror, torch.tensor([1, 4]), torch.tensor([1, 1]), torch.tensor([1, 1]),
+                             torch.zeros(2, dtype=torch.int64), torch.tensor([3, 4]), picks=picks)
+    assert torch.equal(mirror.device_ring[1], counter)
 
 
 def test_the_host_reads_the_fused_write():

@@ -33,14 +33,19 @@ def fuse(engine: Engine) -> IterationStep:
     return step
 
 
-def test_fused_iterations_equal_the_glue_state_for_state():
+@pytest.mark.parametrize("max_top_k", [None, 64], ids=["whole-vocab", "ranked-64"])
+def test_fused_iterations_equal_the_glue_state_for_state(max_top_k):
     """Requests join and leave every iteration, batches are padded to token buckets; after each
-    iteration the fused twin's mirror read and whole state equal the glue's bit for bit."""
-    sizes = dict(max_reqs=MAX_REQS, max_batch=MAX_BATCH, max_tokens=MAX_TOKENS)
+    iteration the fused twin's mirror read and whole state equal the glue's bit for bit. With a
+    ranked width the Triton sampler can rank (the engine's default), the fused epilogue also
+    picks the tokens; over the whole vocabulary the step samples first and the epilogue reads
+    its tokens."""
+    sizes = dict(max_reqs=MAX_REQS, max_batch=MAX_BATCH, max_tokens=MAX_TOKENS, max_top_k=max_top_k)
     glue, fused = Driver(build_stack("cpu", **sizes)), Driver(build_stack("cpu", **sizes))
     step = fuse(fused.stack.engine)
     fused.stack.step = step
     assert step.prologue.backend == "triton" and step.fused_epilogue
+    assert step.pick_in_epilogue == (max_top_k is not None)
     assert glue.stack.step.prologue.backend == "torch" and not glue.stack.step.fused_epilogue
     for n, plan in enumerate(composition_schedule(STEPS, MAX_REQS, MAX_BATCH, seed=3)):
         buckets = [driver.apply(plan) for driver in (glue, fused)]
@@ -57,7 +62,8 @@ def serve(spec, temperature: float, fused: bool) -> dict[str, list[int]]:
     if fused:
         step = fuse(engine)
         # Speculation writes its drafts into the ids after the prologue: the model embeds them.
-        assert step.fused_epilogue == (spec is None) and (step.prologue.buffers.embedded is None) == (spec is not None)
+        assert step.fused_epilogue == step.pick_in_epilogue == (spec is None)
+        assert (step.prologue.buffers.embedded is None) == (spec is not None)
     engine.capture()
     requests = SyntheticWorkload(num_requests=8, prompt_len=(2, 14), output_len=(2, 12), vocab_size=12, seed=4,
                                  temperature=temperature).requests()

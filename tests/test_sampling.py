@@ -67,8 +67,9 @@ def test_gumbel_noise_has_gumbel_moments():
 
 @pytest.mark.parametrize(
     "bs, vocab, max_top_k, chunk",
-    [(8, 300, 8, 64), (5, 1000, 64, 128), (8, 700, 200, 64), (3, 257, 256, 4096), (4, 40, 16, 16)],
-    ids=["small-width", "width-under-chunk", "width-over-chunk", "one-chunk", "vocab-under-width"],
+    [(8, 300, 8, 64), (5, 1000, 64, 128), (8, 700, 200, 64), (3, 257, 256, 4096), (4, 40, 16, 16), (37, 300, 8, 64)],
+    ids=["small-width", "width-under-chunk", "width-over-chunk", "one-chunk", "vocab-under-width",
+         "rows-over-a-pick-block"],
 )
 def test_triton_tokens_equal_torch(bs, vocab, max_top_k, chunk):
     """Same tokens over mixed rows and several steps, with the vocabulary cut into chunks

@@ -21,7 +21,8 @@ from typing import NamedTuple, Sequence
 import msgspec
 import torch
 
-from graphrelay.capture.kernels.sampling_kernel import MAX_RANKED, sample_triton
+from graphrelay.capture.kernels.sampling_kernel import MAX_RANKED, ChunkResults, sample_triton
+from graphrelay.capture.kernels.sampling_kernel import sample_chunks as sample_triton_chunks
 
 _MASK32 = 0xFFFFFFFF
 _INT64_RANGE = (-(2**63), 2**63 - 1)
@@ -204,6 +205,43 @@ def sample(
     summed in another order, which flips a token only when two perturbed scores, or a
     cumulative probability and top_p, are within about 1e-6 of each other.
     """
+    width, backend = _checked(logits, temperature, top_k, top_p, seeds, steps, max_top_k, backend)
+    if out is not None and (out.shape != (logits.shape[0],) or out.dtype != torch.int64 or out.device != logits.device):
+        raise ValueError(f"sample out must be an int64 [{logits.shape[0]}] tensor on {logits.device}")
+    if backend == "triton":
+        out = out if out is not None else torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+        return sample_triton(logits, temperature, top_k, top_p, seeds, steps, out, width)
+    tokens = _sample_torch(logits.float(), temperature, top_k, top_p, seeds, steps, width)
+    return tokens if out is None else out.copy_(tokens)
+
+
+def sample_chunks(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+    max_top_k: int | None = None,
+    *,
+    top_p: torch.Tensor | None = None,
+) -> ChunkResults:
+    """`sample` on its Triton backend without the last pass: the per-chunk results from which
+    `capture.kernels.sampling_kernel.pick_rows` picks the same tokens `sample` returns (the
+    iteration's fused epilogue runs that pass in its own launch). The arguments and checks are
+    `sample`'s; the Triton backend must apply (`triton_applies`)."""
+    width, _ = _checked(logits, temperature, top_k, top_p, seeds, steps, max_top_k, "triton")
+    return sample_triton_chunks(logits, temperature, top_k, top_p, seeds, steps, width)
+
+
+def triton_applies(logits: torch.Tensor, max_top_k: int | None) -> bool:
+    """Whether `sample`'s Triton backend can sample these logits with this max_top_k: it ranks
+    at most MAX_RANKED logits a row, and on CPU tensors it runs only under TRITON_INTERPRET=1."""
+    width = logits.shape[1] if max_top_k is None else min(max_top_k, logits.shape[1])
+    return width <= MAX_RANKED and (logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def _checked(logits, temperature, top_k, top_p, seeds, steps, max_top_k, backend) -> tuple[int, str]:
+    """`sample`'s argument checks (metadata only); returns the ranked width and the backend."""
     if logits.dim() != 2 or logits.dtype not in LOGIT_DTYPES:
         raise ValueError(f"sample logits must be [bs, vocab] of {[str(d) for d in LOGIT_DTYPES]}, got "
                          f"{logits.dtype} {tuple(logits.shape)}")
@@ -218,8 +256,6 @@ def sample(
                 f"sample {name} must be [{bs}] of {[str(d) for d in dtypes]} on {logits.device}, "
                 f"got {t.dtype} {tuple(t.shape)} on {t.device}"
             )
-    if out is not None and (out.shape != (bs,) or out.dtype != torch.int64 or out.device != logits.device):
-        raise ValueError(f"sample out must be an int64 [{bs}] tensor on {logits.device}")
     if max_top_k is not None and (not isinstance(max_top_k, int) or max_top_k < 1):
         raise ValueError(f"sample max_top_k must be None or a positive int, got {max_top_k!r}")
     width = vocab_size if max_top_k is None else min(max_top_k, vocab_size)
@@ -237,7 +273,4 @@ def sample(
                              "importing triton")
         if logits.stride(1) != 1:
             raise ValueError("sample backend 'triton' needs logits rows contiguous (stride(1) == 1)")
-        out = out if out is not None else torch.empty(bs, dtype=torch.int64, device=logits.device)
-        return sample_triton(logits, temperature, top_k, top_p, seeds, steps, out, width)
-    tokens = _sample_torch(logits.float(), temperature, top_k, top_p, seeds, steps, width)
-    return tokens if out is None else out.copy_(tokens)
+    return width, backend

@@ -10,7 +10,8 @@
         -> sampling -> [speculation: accept the leading drafts the target agrees with]
         -> [controls: counts, automaton states, logprobs of the emitted rows that asked]
         -> relay stash + publish -> host-mirror write (one launch on CUDA without speculation:
-        `capture.kernels.iteration_epilogue`; two, plus their glue, otherwise)
+        `capture.kernels.iteration_epilogue`, which in the plain variant also runs the sampler's
+        last pass, so the relay costs no launch of its own; two, plus their glue, otherwise)
 
 A step built with controls runs in two variants, each captured per bucket: "controls" (the
 bracketed controls ops) and "plain" (without them: what an engine without controls runs), so
@@ -39,7 +40,7 @@ from graphrelay.capture.iteration.accept import Accepted, accept
 from graphrelay.capture.iteration.inputs import IterationInputs
 from graphrelay.capture.iteration.ngram import Drafts, SpecConfig, TokenHistory, propose
 from graphrelay.capture.iteration.controls.state import SamplingControls
-from graphrelay.capture.iteration.sampling import sample
+from graphrelay.capture.iteration.sampling import sample, sample_chunks, triton_applies
 from graphrelay.capture.kernels.iteration_epilogue import check_fusable, stash_publish_mirror
 from graphrelay.capture.kernels.iteration_prologue import IterationPrologue
 from graphrelay.capture.model.model import LlamaModel
@@ -104,6 +105,9 @@ class IterationStep:
         # controls and the logprobs read it as float32 values (widening is exact), so no float32
         # copy of [rows, vocab] is made (the controls write theirs, edited, into their own buffer).
         self.logits = torch.zeros((rows, model.config.vocab_size), dtype=model.config.torch_dtype, device=device)
+        # The plain variant's epilogue picks the tokens itself from the sampler's chunk results
+        # (one launch fewer), where the Triton sampler can rank max_top_k.
+        self.pick_in_epilogue = self.fused_epilogue and triton_applies(self.logits, max_top_k)
         self.target = torch.zeros(rows, dtype=torch.int64, device=device)
         self.columns = torch.arange(per, device=device)  # [k + 1]
         if spec is not None:
@@ -153,6 +157,12 @@ class IterationStep:
             logits, row_states = controls.before_sample(logits, row_slots, row_positions, *spans)
         # The draw at a row uses its token's position as the step: what plain decoding uses at
         # that position, in every mode and batch composition.
+        if self.pick_in_epilogue and controls is None:
+            picks = sample_chunks(logits, per_row(v.temperature), per_row(v.top_k), per_row(v.seeds), row_positions,
+                                  max_top_k=self.max_top_k, top_p=per_row(v.top_p))
+            stash_publish_mirror(self.relay, self.mirror, v.span_slot, v.span_samples, v.row_live,
+                                 self.target[: g.rows], row_positions, picks=picks)
+            return
         target = sample(logits, per_row(v.temperature), per_row(v.top_k), per_row(v.seeds), row_positions,
                         out=self.target[: g.rows], max_top_k=self.max_top_k, top_p=per_row(v.top_p))
         if fused:

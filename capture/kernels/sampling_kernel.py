@@ -12,7 +12,9 @@ row by one program is latency-bound at ~30 us on an H200.
      the chunk lists (the same radix select), ranks the top-count entries pairwise for the
      nucleus, then takes the Gumbel-max over its own chunk, hashing the noise in registers. A
      chunk whose max is cut, or cannot reach the row max's lowest possible score, skips it.
-  3. `_pick_kernel`: per row, the first best chunk wins, as torch.argmax takes the first.
+  3. `_pick_kernel` (`pick_rows`): per row, the first best chunk wins, as torch.argmax takes
+     the first. The iteration's fused epilogue runs this pass itself (`sample_chunks` then
+     leaves it undone), so a plain step's sampler and relay epilogue take three launches.
 
 Every step mirrors `capture.sampling` (the torch reference) op for op in float32: the same
 integer hash on uint32 (its multiplies wrap mod 2**32, as the reference's split int64 products
@@ -24,7 +26,7 @@ size, so a row's token cannot depend on its batch.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -32,6 +34,14 @@ import triton.language as tl
 
 CHUNK = 4096  # logits per program
 MAX_RANKED = 256  # the widest max_top_k the kernels rank
+_PICK_BLOCK = 16  # rows per program of the standalone last pass
+# The first pass's registers a thread (ptxas' maxnreg; None: the compiler's choice). Uncapped it
+# compiled to 157 on the H100 (Triton 3.6), so one 8-warp program fit an SM and 256 rows' 3,072
+# programs ran in 23 waves; at 128 two fit, without spilling. The three launches, H100, bs 64 /
+# 128 / 256: greedy 9.1 / 13.6 / 22.7 us against 11.3 / 18.3 / 32.3; rows with top-k 50 and
+# top-p 0.9 115 / 221 / 428 against 136 / 264 / 519; one row unchanged (4.4 and 30.7 us); the same
+# tokens (results/sampler_h100.txt). Registers only: the arithmetic and its bits do not change.
+CHUNK_REGISTERS: Optional[int] = 128
 _OTHERS = tl.constexpr(64)  # ranked entries compared per pairwise tile
 # Bounds on the Gumbel noise: u lies in [2**-24, 1 - 2**-24], so -log(-log(u)) lies in
 # [-2.8116, 16.6356]. These are looser by far more than float32 rounding, which is monotonic,
@@ -236,45 +246,71 @@ def _gumbel_kernel(
     tl.store(score_arg_ptr + row_first + chunk, tl.minimum(best_index, vocab - 1))
 
 
+@triton.jit
+def pick_rows(rows, live, temperature_ptr, temperature_stride, chunk_max_ptr, chunk_arg_ptr, score_ptr, score_arg_ptr,
+              n_chunks, CHUNKS: tl.constexpr):
+    """The sampler's last pass for a block of rows `rows` ([BLOCK] int64, `live` those that
+    exist): each row's token, int64. Sampled rows pick by Gumbel score, greedy rows by logit;
+    ties go to the first chunk, as torch.argmax takes the first. Shared by `_pick_kernel` and
+    the iteration's fused epilogue (`capture.kernels.iteration_epilogue`)."""
+    c = tl.arange(0, CHUNKS)
+    cell = rows[:, None] * n_chunks + c[None, :]  # [BLOCK, CHUNKS]
+    ok = live[:, None] & (c[None, :] < n_chunks)
+    sampled = tl.load(temperature_ptr + rows * temperature_stride, mask=live, other=0.0) > 0
+    values = tl.where(sampled[:, None], tl.load(score_ptr + cell, mask=ok, other=float("-inf")),
+                      tl.load(chunk_max_ptr + cell, mask=ok, other=float("-inf")))
+    _, best = tl.max(values, 1, return_indices=True, return_indices_tie_break_left=True)
+    # A row of NaN logits may point the max at a masked lane: stay among the row's chunks.
+    at = rows * n_chunks + tl.minimum(best, n_chunks - 1)
+    token = tl.where(sampled, tl.load(score_arg_ptr + at, mask=live, other=0),
+                     tl.load(chunk_arg_ptr + at, mask=live, other=0))
+    return token.to(tl.int64)
+
+
 @triton.jit(do_not_specialize_on_alignment=("temperature_ptr", "out_ptr"))
 def _pick_kernel(temperature_ptr, temperature_stride, chunk_max_ptr, chunk_arg_ptr, score_ptr, score_arg_ptr,
-                 out_ptr, out_stride, n_chunks, CHUNKS: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, CHUNKS)
-    live = c < n_chunks
-    # Sampled rows pick by Gumbel score, greedy rows by logit; ties go to the first chunk.
-    if tl.load(temperature_ptr + row * temperature_stride) > 0:
-        values = tl.load(score_ptr + row * n_chunks + c, mask=live, other=float("-inf"))
-        _, best = tl.max(values, 0, return_indices=True, return_indices_tie_break_left=True)
-        # A row of NaN logits may point the max at a masked lane: stay among the row's chunks.
-        token = tl.load(score_arg_ptr + row * n_chunks + tl.minimum(best, n_chunks - 1))
-    else:
-        values = tl.load(chunk_max_ptr + row * n_chunks + c, mask=live, other=float("-inf"))
-        _, best = tl.max(values, 0, return_indices=True, return_indices_tie_break_left=True)
-        token = tl.load(chunk_arg_ptr + row * n_chunks + tl.minimum(best, n_chunks - 1))
-    tl.store(out_ptr + row * out_stride, token.to(tl.int64))
+                 out_ptr, out_stride, bs, n_chunks, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = rows < bs
+    token = pick_rows(rows, live, temperature_ptr, temperature_stride, chunk_max_ptr, chunk_arg_ptr, score_ptr,
+                      score_arg_ptr, n_chunks, CHUNKS)
+    tl.store(out_ptr + rows * out_stride, token, mask=live)
 
 
-def sample_triton(
+class ChunkResults(NamedTuple):
+    """What the sampler's first two passes leave for its last (`pick_rows`): per (row, chunk)
+    the max logit and its index, and the best Gumbel score and its index; [bs, n_chunks] each,
+    beside the rows' temperatures [bs] (which of the two a row picks by)."""
+
+    temperature: torch.Tensor
+    chunk_max: torch.Tensor
+    chunk_arg: torch.Tensor
+    score: torch.Tensor
+    score_arg: torch.Tensor
+
+    @property
+    def n_chunks(self) -> int:
+        return self.chunk_max.shape[1]
+
+    @property
+    def chunks(self) -> int:
+        """n_chunks rounded up to a power of two: a block's width in `pick_rows`."""
+        return triton.next_power_of_2(self.n_chunks)
+
+
+def sample_chunks(
     logits: torch.Tensor,
     temperature: torch.Tensor,
     top_k: torch.Tensor,
     top_p: Optional[torch.Tensor],
     seeds: torch.Tensor,
     steps: torch.Tensor,
-    out: torch.Tensor,
     width: int,
     *,
     chunk: int = CHUNK,
-) -> torch.Tensor:
-    """Write one token per row into `out` [bs] int64 and return it: three launches.
-
-    logits [bs, V] float32, or 16-bit (widened exactly as they are read), with contiguous
-    rows; the [bs] params and `width` (the ranked
-    width, <= MAX_RANKED) as `capture.sampling.sample` takes and checks them. `chunk` (a
-    power of 2) is the logits per program; tests shrink it to cut a small vocabulary into
-    several chunks.
-    """
+) -> ChunkResults:
+    """The sampler's first two passes (two launches): what `pick_rows` needs to pick each row's
+    token. `sample_triton`'s arguments, without `out`."""
     bs, vocab = logits.shape
     ranked = max(triton.next_power_of_2(width), _OTHERS.value)  # list width; entries >= count are -inf
     n_chunks = triton.cdiv(vocab, chunk)
@@ -288,9 +324,10 @@ def sample_triton(
     top_p_arg = top_p if top_p is not None else temperature
     row_params = (logits, logits.stride(0), temperature, temperature.stride(0), top_k, top_k.stride(0),
                   top_p_arg, top_p_arg.stride(0))
+    cap = {} if CHUNK_REGISTERS is None else {"maxnreg": CHUNK_REGISTERS}
     _chunk_kernel[(n_chunks, bs)](
         *row_params, stats[0], args[0], stats[1], lists[0], vocab, width,
-        HAS_TOP_P=top_p is not None, CHUNK=chunk, RANKED=ranked, num_warps=8,
+        HAS_TOP_P=top_p is not None, CHUNK=chunk, RANKED=ranked, num_warps=8, **cap,
     )
     _gumbel_kernel[(n_chunks, bs)](
         *row_params, seeds, seeds.stride(0), steps, steps.stride(0),
@@ -298,8 +335,29 @@ def sample_triton(
         HAS_TOP_P=top_p is not None, CHUNK=chunk, CHUNKS=chunks, RANKED=ranked,
         MERGED=triton.next_power_of_2(n_chunks * ranked), num_warps=8,
     )
-    _pick_kernel[(bs,)](
-        temperature, temperature.stride(0), stats[0], args[0], stats[2], args[1], out, out.stride(0), n_chunks,
-        CHUNKS=chunks, num_warps=1,
+    return ChunkResults(temperature, stats[0], args[0], stats[2], args[1])
+
+
+def pick_tokens(results: ChunkResults, out: torch.Tensor) -> torch.Tensor:
+    """The sampler's last pass (one launch): each row's token into `out` [bs] int64."""
+    bs = results.chunk_max.shape[0]
+    _pick_kernel[(triton.cdiv(bs, _PICK_BLOCK),)](
+        results.temperature, results.temperature.stride(0), results.chunk_max, results.chunk_arg, results.score,
+        results.score_arg, out, out.stride(0), bs, results.n_chunks, CHUNKS=results.chunks, BLOCK=_PICK_BLOCK,
+        num_warps=1,
     )
     return out
+
+
+def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: Optional[torch.Tensor],
+                  seeds: torch.Tensor, steps: torch.Tensor, out: torch.Tensor, width: int, *,
+                  chunk: int = CHUNK) -> torch.Tensor:
+    """Write one token per row into `out` [bs] int64 and return it: three launches.
+
+    logits [bs, V] float32, or 16-bit (widened exactly as they are read), with contiguous
+    rows; the [bs] params and `width` (the ranked
+    width, <= MAX_RANKED) as `capture.sampling.sample` takes and checks them. `chunk` (a
+    power of 2) is the logits per program; tests shrink it to cut a small vocabulary into
+    several chunks.
+    """
+    return pick_tokens(sample_chunks(logits, temperature, top_k, top_p, seeds, steps, width, chunk=chunk), out)

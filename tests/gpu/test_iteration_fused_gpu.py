@@ -77,14 +77,17 @@ def glue_twin(stack) -> IterationStep:
     return step
 
 
-def test_captured_fused_step_equals_the_eager_glue_with_zero_syncs():
+@pytest.mark.parametrize("max_top_k", [None, 64], ids=["whole-vocab", "ranked-64"])
+def test_captured_fused_step_equals_the_eager_glue_with_zero_syncs(max_top_k):
     """A changing batch through a captured step on the fused kernels (the engine's default on
     CUDA) and an eager twin on the glue: every read and the whole state agree bit for bit after
-    every iteration, and the replays make no host sync. If this failed, the fused kernels would
-    change what an engine generates, or stall every iteration on the host."""
-    sizes = dict(max_reqs=MAX_REQS, max_batch=MAX_BATCH, max_tokens=MAX_TOKENS)
+    every iteration, and the replays make no host sync. With a ranked width (the engine's
+    default) the fused epilogue also runs the sampler's last pass. If this failed, the fused
+    kernels would change what an engine generates, or stall every iteration on the host."""
+    sizes = dict(max_reqs=MAX_REQS, max_batch=MAX_BATCH, max_tokens=MAX_TOKENS, max_top_k=max_top_k)
     graph = Driver(build_stack(DEVICE, use_graphs=True, **sizes))
     assert graph.stack.step.prologue.backend == "triton" and graph.stack.step.fused_epilogue
+    assert graph.stack.step.pick_in_epilogue == (max_top_k is not None)
     eager = Driver(build_stack(DEVICE, use_graphs=False, plan=graph.stack.model.plan, **sizes))
     glue_twin(eager.stack)
     try:
@@ -118,3 +121,19 @@ def test_fused_graphs_drop_the_glue_nodes():
     finally:
         close_stack(stack)
 
+
+def test_the_pick_in_the_epilogue_saves_one_node_per_bucket():
+    """With the Triton sampler (a ranked width), the plain step's graphs are one node smaller
+    at every bucket than the same step with the sampler's own last pass: the relay and the
+    mirror cost no launch beyond the sampler's."""
+    stack = build_stack(DEVICE, use_graphs=True, max_reqs=MAX_REQS, max_batch=MAX_BATCH, max_tokens=MAX_TOKENS,
+                        max_top_k=64)
+    try:
+        assert stack.step.pick_in_epilogue
+        picked = dict(stack.runner.report.nodes)
+        stack.runner.graphs.clear()
+        stack.step.pick_in_epilogue = False
+        separate = stack.engine.capture(stack.model.plan).nodes
+        assert {bucket: separate[bucket] - picked[bucket] for bucket in BUCKETS} == {bucket: 1 for bucket in BUCKETS}
+    finally:
+        close_stack(stack)
