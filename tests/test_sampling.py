@@ -9,11 +9,13 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from graphrelay.capture.iteration.sampling import SamplingParams, gumbel_noise, hash32, keep_threshold, pack_sampling_params, sample
-from graphrelay.capture.kernels.sampling_kernel import sample_triton
+from graphrelay.capture.kernels.sampling_kernel import _kth_largest, sample_triton, select_levels
 
 
 def rows(n, temperature=1.0, top_k=0, seed=0, step=0):
@@ -420,3 +422,58 @@ def test_pack_sampling_params_pads_with_greedy_rows():
     assert packed.seeds.dtype == torch.int64 and packed.seeds.tolist() == [-3, 2**62, 0, 0]
     with pytest.raises(ValueError, match="do not fit in a batch of 1"):
         pack_sampling_params([SamplingParams(), SamplingParams()], 1)
+
+
+@triton.jit
+def _kth_kernel(x_ptr, n, rank, out_ptr, BLOCK: tl.constexpr, LEVELS: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    valid = offs < n
+    x = tl.load(x_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32)
+    tl.store(out_ptr, _kth_largest(x, valid, rank, LEVELS))
+
+
+@settings(max_examples=40, deadline=None)
+@given(dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]), n=st.integers(1, 256),
+       data_seed=st.integers(0, 2**16), special=st.booleans())
+def test_radix_select_searches_only_the_bytes_a_dtype_can_differ_in(dtype, n, data_seed, special):
+    """The rank-th largest of 16-bit values widened to float32, searched over 2 (bfloat16) or 3
+    (float16) key bytes instead of 4, equals torch's kth largest for every rank: negative values
+    (whose keys' unsearched bytes are ones), signed zeros, subnormals, infinities and ties."""
+    gen = torch.Generator().manual_seed(data_seed)
+    x = torch.randn(n, generator=gen) * 4
+    if special:
+        picks = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 1e-40, -1e-40, 6e-8, -6e-8, 1.0, -1.0])
+        x = torch.where(torch.rand(n, generator=gen) < 0.4, picks[torch.randint(0, len(picks), (n,), generator=gen)], x)
+    # Widened here, exactly: the interpreter's own bfloat16 -> float32 conversion flushes subnormals.
+    x = x.to(dtype).float()
+    levels = select_levels(dtype)
+    assert levels == {torch.bfloat16: 2, torch.float16: 3, torch.float32: 4}[dtype]
+    ordered = x.sort(descending=True).values
+    out = torch.empty(1)
+    for rank in sorted({1, n, 1 + n // 2, 1 + n // 3}):
+        _kth_kernel[(1,)](x, n, rank, out, BLOCK=triton.next_power_of_2(max(n, 2)), LEVELS=levels)
+        want = ordered[rank - 1]
+        # Equal values (-0.0 and 0.0 compare equal, as the threshold test `logits >= kth` treats them).
+        assert out[0] == want, f"rank {rank} of {x.tolist()}: selected {out[0].item()}, expected {want.item()}"
+
+
+def test_the_first_pass_leaves_the_callers_counters_zero():
+    """A caller's counters (the captured step passes its own) give the tokens a fresh zeroed
+    buffer gives, call after call, and are zero again after every call: each cut row's last
+    chunk program resets its count. If a count were left behind, the next call's last program
+    would never see its row complete and would leave the row's threshold unset."""
+    bs, vocab = 7, 600
+    logits = 2 * random_logits(bs, vocab, seed=11)
+    temperature, top_k, top_p, seeds, steps = mixed_params(bs, vocab, seed=12)
+    counters = torch.zeros(bs, dtype=torch.int32)
+    for step in range(3):
+        fresh = sample_triton(logits, temperature, top_k, top_p, seeds, steps + step, torch.empty(bs, dtype=torch.int64),
+                              32, chunk=64)
+        kept = sample_triton(logits, temperature, top_k, top_p, seeds, steps + step, torch.empty(bs, dtype=torch.int64),
+                             32, chunk=64, counters=counters)
+        assert torch.equal(kept, fresh)
+        assert not counters.any(), f"call {step} left counts {counters.tolist()}"
+    for bad in (torch.zeros(bs, dtype=torch.int64), torch.zeros(bs + 1, dtype=torch.int32),
+                torch.zeros(2 * bs, dtype=torch.int32)[::2]):
+        with pytest.raises(ValueError, match="sampler counters must be a contiguous int32"):
+            sample(logits, temperature, top_k, seeds, steps, max_top_k=32, top_p=top_p, backend="triton", counters=bad)

@@ -174,6 +174,7 @@ def sample(
     *,
     top_p: torch.Tensor | None = None,
     backend: str | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pick one token per row: tokens [bs] int64.
 
@@ -204,13 +205,17 @@ def sample(
     differ: log/exp may round an ulp apart (between CPU and GPU too) and the nucleus mass is
     summed in another order, which flips a token only when two perturbed scores, or a
     cumulative probability and top_p, are within about 1e-6 of each other.
+
+    counters: the Triton backend's `[bs]` int32 scratch, zero between calls (it leaves it
+    zero): pass one allocated up front under capture (`sample_triton`); the torch backend
+    ignores it.
     """
     width, backend = _checked(logits, temperature, top_k, top_p, seeds, steps, max_top_k, backend)
     if out is not None and (out.shape != (logits.shape[0],) or out.dtype != torch.int64 or out.device != logits.device):
         raise ValueError(f"sample out must be an int64 [{logits.shape[0]}] tensor on {logits.device}")
     if backend == "triton":
         out = out if out is not None else torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-        return sample_triton(logits, temperature, top_k, top_p, seeds, steps, out, width)
+        return sample_triton(logits, temperature, top_k, top_p, seeds, steps, out, width, counters=counters)
     tokens = _sample_torch(logits.float(), temperature, top_k, top_p, seeds, steps, width)
     return tokens if out is None else out.copy_(tokens)
 
@@ -224,13 +229,14 @@ def sample_chunks(
     max_top_k: int | None = None,
     *,
     top_p: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
 ) -> ChunkResults:
     """`sample` on its Triton backend without the last pass: the per-chunk results from which
     `capture.kernels.sampling_kernel.pick_rows` picks the same tokens `sample` returns (the
     iteration's fused epilogue runs that pass in its own launch). The arguments and checks are
     `sample`'s; the Triton backend must apply (`triton_applies`)."""
     width, _ = _checked(logits, temperature, top_k, top_p, seeds, steps, max_top_k, "triton")
-    return sample_triton_chunks(logits, temperature, top_k, top_p, seeds, steps, width)
+    return sample_triton_chunks(logits, temperature, top_k, top_p, seeds, steps, width, counters=counters)
 
 
 def triton_applies(logits: torch.Tensor, max_top_k: int | None) -> bool:

@@ -109,6 +109,9 @@ class IterationStep:
         # (one launch fewer), where the Triton sampler can rank max_top_k.
         self.pick_in_epilogue = self.fused_epilogue and triton_applies(self.logits, max_top_k)
         self.target = torch.zeros(rows, dtype=torch.int64, device=device)
+        # The Triton sampler's per-row counters (zero between calls), allocated here so that no
+        # captured graph zeroes its own.
+        self.sample_counters = torch.zeros(rows, dtype=torch.int32, device=device)
         self.columns = torch.arange(per, device=device)  # [k + 1]
         if spec is not None:
             self.drafts = Drafts(torch.zeros((spans, spec.k), dtype=torch.int64, device=device),
@@ -159,12 +162,14 @@ class IterationStep:
         # that position, in every mode and batch composition.
         if self.pick_in_epilogue and controls is None:
             picks = sample_chunks(logits, per_row(v.temperature), per_row(v.top_k), per_row(v.seeds), row_positions,
-                                  max_top_k=self.max_top_k, top_p=per_row(v.top_p))
+                                  max_top_k=self.max_top_k, top_p=per_row(v.top_p),
+                                  counters=self.sample_counters[: g.rows])
             stash_publish_mirror(self.relay, self.mirror, v.span_slot, v.span_samples, v.row_live,
                                  self.target[: g.rows], row_positions, picks=picks)
             return
         target = sample(logits, per_row(v.temperature), per_row(v.top_k), per_row(v.seeds), row_positions,
-                        out=self.target[: g.rows], max_top_k=self.max_top_k, top_p=per_row(v.top_p))
+                        out=self.target[: g.rows], max_top_k=self.max_top_k, top_p=per_row(v.top_p),
+                        counters=self.sample_counters[: g.rows])
         if fused:
             if controls is not None:  # before the mirror write, which advances its counter (below)
                 controls.after_sample(row_slots, raw_logits, target, row_states, self.mirror.device_ring[1],

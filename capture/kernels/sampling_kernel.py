@@ -7,11 +7,13 @@ row by one program is latency-bound at ~30 us on an H200.
   1. `_chunk_kernel`: each chunk's max and first argmax (the greedy token and the row max);
      for a row with a top-k or top-p cut, the chunk's `count` largest logits as an unsorted
      list (radix select in registers, then compaction); for top-p without top-k, the chunk's
-     probability mass relative to its own max.
-  2. `_gumbel_kernel`: every program of a row selects the row's count-th largest logit from
-     the chunk lists (the same radix select), ranks the top-count entries pairwise for the
-     nucleus, then takes the Gumbel-max over its own chunk, hashing the noise in registers. A
-     chunk whose max is cut, or cannot reach the row max's lowest possible score, skips it.
+     probability mass relative to its own max. The row's last program to finish (a counter
+     per row) then selects the row's count-th largest logit from the chunk lists (the same
+     radix select) and ranks the top-count entries pairwise for the nucleus: the row's keep
+     threshold, once per row.
+  2. `_gumbel_kernel`: the Gumbel-max over each chunk's kept logits, hashing the noise in
+     registers. A chunk whose max is cut, or cannot reach the row max's lowest possible score,
+     skips it.
   3. `_pick_kernel` (`pick_rows`): per row, the first best chunk wins, as torch.argmax takes
      the first. The iteration's fused epilogue runs this pass itself (`sample_chunks` then
      leaves it undone), so a plain step's sampler and relay epilogue take three launches.
@@ -86,15 +88,17 @@ def _row_cuts(temperature_ptr, top_k_ptr, top_p_ptr, vocab, width, HAS_TOP_P: tl
 
 
 @triton.jit
-def _kth_largest(x, valid, rank):
+def _kth_largest(x, valid, rank, LEVELS: tl.constexpr):
     """The rank-th largest of x[valid] (1 <= rank <= how many are valid), ties counted: an
-    8-bit radix select on order-preserving uint32 keys, most significant byte first."""
+    8-bit radix select on order-preserving uint32 keys, most significant byte first, over the
+    LEVELS high bytes that can differ (`select_levels`): past them every key's bits are the same
+    function of its sign, so they are filled in, not searched."""
     bits = x.to(tl.uint32, bitcast=True)
     key = tl.where((bits >> 31) == 1, ~bits, bits | 0x80000000)  # a larger float, a larger key
     bins = tl.arange(0, 256)
     prefix = tl.full((), 0, tl.uint32)  # the key bytes chosen so far
     remaining = rank  # how far down the keys that share `prefix` the answer lies
-    for level in tl.static_range(4):
+    for level in tl.static_range(LEVELS):
         shift = 24 - 8 * level
         if level == 0:
             same = valid
@@ -105,8 +109,20 @@ def _kth_largest(x, valid, rank):
         digit = tl.max(tl.where(at_or_above >= remaining, bins, 0), 0)
         remaining -= tl.sum(tl.where(bins > digit, counts, 0), 0)
         prefix |= digit.to(tl.uint32) << shift
+    if LEVELS < 4:
+        # The value's unsearched low bits are zero: its key's are zero too when it is positive
+        # (key = bits | sign) and ones when it is negative (key = ~bits).
+        prefix |= tl.where((prefix >> 31) == 1, 0, (1 << (32 - 8 * LEVELS)) - 1).to(tl.uint32)
     bits = tl.where((prefix >> 31) == 1, prefix & 0x7FFFFFFF, ~prefix)
     return bits.to(tl.float32, bitcast=True)
+
+
+def select_levels(dtype: torch.dtype) -> int:
+    """Radix levels (bytes, high first) that can tell float32 widenings of `dtype` apart: a
+    bfloat16 value widened to float32 has 16 zero low bits, a float16 one (10 mantissa bits, its
+    subnormals normalized) 13, so 2, 3 and 4 levels for bfloat16, float16 and float32. The
+    ranked lists hold the logits' own values (and their -inf padding), so they need no more."""
+    return {torch.bfloat16: 2, torch.float16: 3}.get(dtype, 4)
 
 
 @triton.jit
@@ -154,8 +170,10 @@ _ROW_PARAMS = ("temperature_ptr", "top_k_ptr", "top_p_ptr")
 @triton.jit(do_not_specialize_on_alignment=_ROW_PARAMS)
 def _chunk_kernel(
     logits_ptr, logits_stride, temperature_ptr, temperature_stride, top_k_ptr, top_k_stride,
-    top_p_ptr, top_p_stride, chunk_max_ptr, chunk_arg_ptr, chunk_mass_ptr, chunk_top_ptr, vocab, width,
-    HAS_TOP_P: tl.constexpr, CHUNK: tl.constexpr, RANKED: tl.constexpr,
+    top_p_ptr, top_p_stride, chunk_max_ptr, chunk_arg_ptr, chunk_mass_ptr, chunk_top_ptr, scratch_ptr,
+    threshold_ptr, counter_ptr, vocab, width,
+    HAS_TOP_P: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, RANKED: tl.constexpr, LEVELS: tl.constexpr,
+    MERGED: tl.constexpr,
 ):
     chunk = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -174,7 +192,7 @@ def _chunk_kernel(
         # The chunk's `rank` largest logits (all of them if it has fewer): those above the
         # rank-th largest, then copies of it, then -inf up to RANKED.
         rank = tl.minimum(count, tl.minimum(vocab - chunk * CHUNK, CHUNK))
-        kth = _kth_largest(x, live, rank)
+        kth = _kth_largest(x, live, rank, LEVELS)
         top_list = chunk_top_ptr + slot * RANKED
         n_above = _store_above(top_list, x, live & (x > kth))
         entry = tl.arange(0, RANKED)
@@ -183,21 +201,64 @@ def _chunk_kernel(
             # -inf logits weigh 0 (and an all -inf chunk must not make NaN from -inf - -inf).
             weights = tl.where(x > float("-inf"), tl.exp(tl.math.div_rn(x - chunk_max, temperature)), 0.0)
             tl.store(chunk_mass_ptr + slot, tl.sum(weights, 0))
+        # The row's last program to finish sets the row's threshold from every chunk's results:
+        # one select per row, not one per chunk program of the next pass. Every thread's stores
+        # before the release; the last program sees them all after its acquire, and zeroes the
+        # counter for the next call.
+        tl.debug_barrier()
+        counter = counter_ptr + row
+        if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+            tl.debug_barrier()
+            tl.atomic_xchg(counter, 0)
+            threshold = _row_threshold(row * tl.num_programs(0), tl.num_programs(0), count, has_top_k, top_p,
+                                       temperature, chunk_max_ptr, chunk_mass_ptr, chunk_top_ptr, scratch_ptr,
+                                       CHUNKS, RANKED, LEVELS, MERGED)
+            tl.store(threshold_ptr + row, threshold)
+
+
+@triton.jit
+def _row_threshold(row_first, n_chunks, count, has_top_k, top_p, temperature, chunk_max_ptr, chunk_mass_ptr,
+                   chunk_top_ptr, scratch_ptr, CHUNKS: tl.constexpr, RANKED: tl.constexpr, LEVELS: tl.constexpr,
+                   MERGED: tl.constexpr):
+    """A cut row's keep threshold (capture.sampling.keep_threshold) from its chunks' maxima,
+    lists and masses, which other programs stored: read past the SM's L1 (".cg")."""
+    c = tl.arange(0, CHUNKS)
+    chunk_max = tl.load(chunk_max_ptr + row_first + c, mask=c < n_chunks, other=float("-inf"),
+                        cache_modifier=".cg")  # [CHUNKS]
+    top = tl.max(chunk_max, 0)
+    # The row's count largest logits are among the chunks' count largest.
+    pos = tl.arange(0, MERGED)
+    listed = pos < n_chunks * RANKED
+    candidates = tl.load(chunk_top_ptr + row_first * RANKED + pos, mask=listed, other=float("-inf"),
+                         cache_modifier=".cg")
+    kth = _kth_largest(candidates, listed, count, LEVELS)
+    threshold = tl.where(has_top_k, kth, float("-inf"))
+    if top_p < 1:
+        scratch = scratch_ptr + row_first * RANKED  # the row's own
+        n_above = _store_above(scratch, candidates, listed & (candidates > kth))
+        tl.debug_barrier()  # other threads of this program read those stores back
+        vocab_mass = tl.full((), 0.0, tl.float32)
+        if has_top_k == 0:  # the vocabulary's mass: each chunk's, rescaled to the row max
+            partial = tl.load(chunk_mass_ptr + row_first + c, mask=c < n_chunks, other=0.0, cache_modifier=".cg")
+            scale = tl.where(chunk_max > float("-inf"), tl.exp(tl.math.div_rn(chunk_max - top, temperature)), 0.0)
+            vocab_mass = tl.sum(partial * scale, 0)
+        threshold = _nucleus_threshold(scratch, n_above, count, kth, top, temperature, top_p, vocab_mass, has_top_k,
+                                       RANKED)
+    return threshold
 
 
 @triton.jit(do_not_specialize_on_alignment=(*_ROW_PARAMS, "seeds_ptr", "steps_ptr"))
 def _gumbel_kernel(
     logits_ptr, logits_stride, temperature_ptr, temperature_stride, top_k_ptr, top_k_stride,
     top_p_ptr, top_p_stride, seeds_ptr, seeds_stride, steps_ptr, steps_stride,
-    chunk_max_ptr, chunk_mass_ptr, chunk_top_ptr, scratch_ptr, score_ptr, score_arg_ptr, vocab, width,
-    HAS_TOP_P: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, RANKED: tl.constexpr,
-    MERGED: tl.constexpr,
+    chunk_max_ptr, threshold_ptr, score_ptr, score_arg_ptr, vocab, width,
+    HAS_TOP_P: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
 ):
     chunk = tl.program_id(0)
     n_chunks = tl.num_programs(0)
     row = tl.program_id(1).to(tl.int64)
     row_first = row * n_chunks  # the row's first [bs, chunks] entry
-    temperature, has_top_k, count, top_p = _row_cuts(
+    temperature, has_top_k, _, top_p = _row_cuts(
         temperature_ptr + row * temperature_stride, top_k_ptr + row * top_k_stride,
         top_p_ptr + row * top_p_stride, vocab, width, HAS_TOP_P)
     # Tensors, not constants: the `if` below reassigns them.
@@ -208,25 +269,8 @@ def _gumbel_kernel(
         chunk_max = tl.load(chunk_max_ptr + row_first + c, mask=c < n_chunks, other=float("-inf"))  # [CHUNKS]
         top = tl.max(chunk_max, 0)
         threshold = tl.full((), float("-inf"), tl.float32)
-        if has_top_k | (top_p < 1):
-            # The row's count largest logits are among the chunks' count largest.
-            pos = tl.arange(0, MERGED)
-            listed = pos < n_chunks * RANKED
-            candidates = tl.load(chunk_top_ptr + row_first * RANKED + pos, mask=listed, other=float("-inf"))
-            kth = _kth_largest(candidates, listed, count)
-            threshold = tl.where(has_top_k, kth, float("-inf"))
-            if top_p < 1:
-                scratch = scratch_ptr + (row_first + chunk) * RANKED  # this program's own
-                n_above = _store_above(scratch, candidates, listed & (candidates > kth))
-                tl.debug_barrier()  # other threads of this program read those stores back
-                vocab_mass = tl.full((), 0.0, tl.float32)
-                if has_top_k == 0:  # the vocabulary's mass: each chunk's, rescaled to the row max
-                    partial = tl.load(chunk_mass_ptr + row_first + c, mask=c < n_chunks, other=0.0)
-                    scale = tl.where(chunk_max > float("-inf"),
-                                     tl.exp(tl.math.div_rn(chunk_max - top, temperature)), 0.0)
-                    vocab_mass = tl.sum(partial * scale, 0)
-                threshold = _nucleus_threshold(scratch, n_above, count, kth, top, temperature, top_p,
-                                               vocab_mass, has_top_k, RANKED)
+        if has_top_k | (top_p < 1):  # the first pass's last program of the row set it
+            threshold = tl.load(threshold_ptr + row)
         own_max = tl.load(chunk_max_ptr + row_first + chunk)
         # The row max is kept and scores at least _NOISE_MIN: skip a chunk that cannot beat it.
         reachable = tl.math.div_rn(own_max - top, temperature) + _NOISE_MAX >= _NOISE_MIN
@@ -308,6 +352,7 @@ def sample_chunks(
     width: int,
     *,
     chunk: int = CHUNK,
+    counters: Optional[torch.Tensor] = None,
 ) -> ChunkResults:
     """The sampler's first two passes (two launches): what `pick_rows` needs to pick each row's
     token. `sample_triton`'s arguments, without `out`."""
@@ -320,20 +365,26 @@ def sample_chunks(
     stats = torch.empty((3, bs, n_chunks), dtype=torch.float32, device=device)  # max, mass, score
     args = torch.empty((2, bs, n_chunks), dtype=torch.int32, device=device)  # argmax, score argmax
     lists = torch.empty((2, bs, n_chunks, ranked), dtype=torch.float32, device=device)  # chunk tops, nucleus
+    thresholds = torch.empty(bs, dtype=torch.float32, device=device)
+    if counters is None:
+        counters = torch.zeros(bs, dtype=torch.int32, device=device)
+    elif counters.shape != (bs,) or counters.dtype != torch.int32 or counters.device != device or counters.stride(0) != 1:
+        raise ValueError(f"sampler counters must be a contiguous int32 [{bs}] tensor on {device}, zero between calls "
+                         f"(see sample_triton), got {counters.dtype} {tuple(counters.shape)} on {counters.device}")
     # top_p None compiles the nucleus away; the pointer passed in its place is never read.
     top_p_arg = top_p if top_p is not None else temperature
     row_params = (logits, logits.stride(0), temperature, temperature.stride(0), top_k, top_k.stride(0),
                   top_p_arg, top_p_arg.stride(0))
     cap = {} if CHUNK_REGISTERS is None else {"maxnreg": CHUNK_REGISTERS}
+    levels = select_levels(logits.dtype)
     _chunk_kernel[(n_chunks, bs)](
-        *row_params, stats[0], args[0], stats[1], lists[0], vocab, width,
-        HAS_TOP_P=top_p is not None, CHUNK=chunk, RANKED=ranked, num_warps=8, **cap,
+        *row_params, stats[0], args[0], stats[1], lists[0], lists[1], thresholds, counters, vocab, width,
+        HAS_TOP_P=top_p is not None, CHUNK=chunk, CHUNKS=chunks, RANKED=ranked, LEVELS=levels,
+        MERGED=triton.next_power_of_2(n_chunks * ranked), num_warps=8, **cap,
     )
     _gumbel_kernel[(n_chunks, bs)](
-        *row_params, seeds, seeds.stride(0), steps, steps.stride(0),
-        stats[0], stats[1], lists[0], lists[1], stats[2], args[1], vocab, width,
-        HAS_TOP_P=top_p is not None, CHUNK=chunk, CHUNKS=chunks, RANKED=ranked,
-        MERGED=triton.next_power_of_2(n_chunks * ranked), num_warps=8,
+        *row_params, seeds, seeds.stride(0), steps, steps.stride(0), stats[0], thresholds, stats[2], args[1],
+        vocab, width, HAS_TOP_P=top_p is not None, CHUNK=chunk, CHUNKS=chunks, num_warps=8,
     )
     return ChunkResults(temperature, stats[0], args[0], stats[2], args[1])
 
@@ -351,13 +402,16 @@ def pick_tokens(results: ChunkResults, out: torch.Tensor) -> torch.Tensor:
 
 def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: Optional[torch.Tensor],
                   seeds: torch.Tensor, steps: torch.Tensor, out: torch.Tensor, width: int, *,
-                  chunk: int = CHUNK) -> torch.Tensor:
+                  chunk: int = CHUNK, counters: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Write one token per row into `out` [bs] int64 and return it: three launches.
 
     logits [bs, V] float32, or 16-bit (widened exactly as they are read), with contiguous
     rows; the [bs] params and `width` (the ranked
     width, <= MAX_RANKED) as `capture.sampling.sample` takes and checks them. `chunk` (a
     power of 2) is the logits per program; tests shrink it to cut a small vocabulary into
-    several chunks.
+    several chunks. counters: `[bs]` int32, zero, which the first pass counts its finished
+    programs on and leaves zero again; a caller under capture passes one allocated up front
+    (else each call allocates and zeroes its own: one more graph node).
     """
-    return pick_tokens(sample_chunks(logits, temperature, top_k, top_p, seeds, steps, width, chunk=chunk), out)
+    return pick_tokens(sample_chunks(logits, temperature, top_k, top_p, seeds, steps, width, chunk=chunk,
+                                     counters=counters), out)
