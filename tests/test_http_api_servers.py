@@ -15,8 +15,9 @@ import pytest
 
 from graphrelay.capture.serving.cli import serve_main
 from graphrelay.capture.serving.engine_handle import resident_bytes
-from http_cases import health, start_server, stop_server
+from http_cases import health, start_server, stop_server, wait_until_idle
 from test_engine_process import _children
+from test_http_server import _open_stream
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the server's processes from /proc (Linux)")
 
@@ -24,7 +25,8 @@ MODEL = "tiny"
 START_TIMEOUT_S = 300
 FRESH_CONNECTIONS = 24  # each one new: both servers answer some unless the port's spread is broken (2^-23)
 ARGS = ["--api-servers", "2", "--model", MODEL, "--weights", "random", "--tokenizer", "--device", "cpu",
-        "--max-reqs", "4", "--max-batch", "4", "--max-waiting", "4", "--max-seq-len", "256", "--no-controls"]
+        "--max-reqs", "4", "--max-batch", "4", "--max-waiting", "4", "--max-seq-len", "1024", "--no-controls"]
+HELD = 4 + 4  # slots + waiting: what the whole server holds
 
 
 def _pids(server) -> dict[int, int]:
@@ -47,7 +49,7 @@ def test_fresh_connections_reach_both_servers(server):
     pids = _pids(server)
     assert sorted(pids) == [0, 1] and pids[0] == server.pid and pids[1] != server.pid
     state = health(server)
-    assert state["api_servers"] == 2 and state["capacity"] == 4  # its half of slots + waiting
+    assert state["api_servers"] == 2 and state["capacity"] == HELD  # the whole server's, not a share
     engine = [pid for pid in _children(server.pid) if pid != pids[1] and _is_spawned(pid)]
     assert len(engine) == 1, f"one engine process beside the second server, found {engine}"
     every = sum(resident_bytes(str(pid)) for pid in (server.pid, pids[1], engine[0]))
@@ -69,6 +71,40 @@ def test_every_server_gives_the_same_greedy_answer_streamed_or_not(server):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
     streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **body) if c.choices)
     assert streamed == answers[0][0]
+
+
+def _connection_to(server, index: int) -> httpx.Client:
+    """A client whose kept-alive connection the port gave to API server `index`."""
+    for _ in range(64):
+        http = httpx.Client(base_url=server.url, timeout=60)
+        if http.get("/health").json()["api_server"] == index:
+            return http
+        http.close()
+    pytest.fail(f"64 fresh connections and none reached API server {index}")
+
+
+def test_the_bound_is_the_whole_servers_wherever_connections_land(server):
+    """Slots + waiting requests, all on connections the port gave to one API server, are held
+    (the port may send a burst's connections anywhere: a bound split per server refused the
+    fifth here), one more on the other server is refused with 429 (the count is shared), and
+    once the clients go, both servers count nothing outstanding."""
+    clients = [_connection_to(server, 1) for _ in range(HELD)]
+    try:
+        streams = [_open_stream(http) for http in clients]
+        other = _connection_to(server, 0)
+        busy = other.post("/v1/completions", json={"model": MODEL, "prompt": "one more", "max_tokens": 2})
+        assert busy.status_code == 429 and busy.json()["error"]["type"] == "rate_limit_error"
+        other.close()
+        for response, _ in streams:
+            response.close()
+    finally:
+        for http in clients:
+            http.close()
+    wait_until_idle(server)
+    for index in (0, 1):
+        http = _connection_to(server, index)
+        assert http.get("/health").json()["outstanding"] == 0
+        http.close()
 
 
 def test_sigterm_to_the_first_stops_every_server_with_status_0():

@@ -26,6 +26,7 @@ import time
 from typing import Callable, NamedTuple, Optional
 
 from graphrelay.capture.model.text import TextCodec
+from graphrelay.capture.serving.engine_handle import HeldCount
 from graphrelay.capture.serving.engine_process import EngineLink, ServerPipes
 from graphrelay.capture.serving.http_server import ServerOptions, run_server
 
@@ -66,7 +67,7 @@ class ServerSpec(NamedTuple):
 
     make_codec: Callable[[], TextCodec]  # the tokenizer, loaded in each process
     options: ServerOptions
-    servers: int
+    held: HeldCount  # the requests every server holds, one count (`EngineProcess.held`)
 
 
 class Peers:
@@ -150,7 +151,7 @@ def server_main(spec: ServerSpec, index: int, pipes: ServerPipes, ready) -> None
     SIGTERM (earlier, the signal's default would kill it: exit status -15, not 0)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the first process passes a stop on as SIGTERM
     codec = spec.make_codec()
-    link = EngineLink(pipes, spec.options.max_waiting, servers=spec.servers)
+    link = EngineLink(pipes, spec.options.max_waiting, held=spec.held)
     sock = listening_socket(spec.options.host, spec.options.port)
     sys.exit(run_server(link, codec, spec.options, lambda line: None, sockets=[sock], peers=FirstServer(),
                         index=index, on_start=ready.set))

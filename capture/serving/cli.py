@@ -416,7 +416,7 @@ def _serve_http(args, device: torch.device, say) -> int:
     sock = listening_socket(args.host, args.port)  # before the engine loads: a port taken fails at once
     options = msgspec.structs.replace(options, port=sock.getsockname()[1])  # --port 0: the one the kernel chose
     worker = EngineProcess(functools.partial(build_http_loop, args, device), args.max_waiting, servers=args.api_servers)
-    others = OtherServers(ServerSpec(functools.partial(http_codec, args), options, args.api_servers), worker.spare_pipes)
+    others = OtherServers(ServerSpec(functools.partial(http_codec, args), options, worker.held), worker.spare_pipes)
     return run_server(worker, codec, options, say, sockets=[sock], peers=others)
 
 

@@ -74,22 +74,71 @@ class Rejected(Exception):
     not compile): the message begins with the field it is about."""
 
 
+class HeldCount:
+    """How many requests a server holds (running or waiting): `take` one under a bound, `give`
+    it back. One process's count, for a server of one API server process."""
+
+    def __init__(self) -> None:
+        self._held = 0
+
+    @property
+    def value(self) -> int:
+        return self._held
+
+    def take(self, bound: int) -> bool:
+        if self._held >= bound:
+            return False
+        self._held += 1
+        return True
+
+    def give(self) -> None:
+        self._held -= 1
+
+
+class SharedHeldCount(HeldCount):
+    """One count in shared memory for every API server process of one port, so that the bound
+    is the whole server's wherever the kernel's port spread sends each connection. A bound
+    split evenly over the processes refused part of a burst it should have held: 64 streams
+    under a bound of 80, four servers holding 20 each, and one of them handed more than 20
+    (the H100, 2026-12-06). Made by the first process before it spawns the others, which
+    inherit it with their arguments."""
+
+    def __init__(self, context) -> None:
+        self._shared = context.Value("i", 0)
+
+    @property
+    def value(self) -> int:
+        return self._shared.value
+
+    def take(self, bound: int) -> bool:
+        with self._shared.get_lock():
+            if self._shared.value >= bound:
+                return False
+            self._shared.value += 1
+            return True
+
+    def give(self) -> None:
+        with self._shared.get_lock():
+            self._shared.value -= 1
+
+
 class EngineHandle:
     """The asyncio side's bookkeeping: per-request queues, bounded admission, batched delivery.
     Subclasses run the engine and call `on_tokens` / `on_finish` / `_fail` as results arrive."""
 
-    def __init__(self, info: EngineInfo, max_waiting: int, servers: int = 1):
+    def __init__(self, info: EngineInfo, max_waiting: int, held: Optional[HeldCount] = None):
+        """held: the count the bound applies to; with several API server processes, the one
+        they share (`SharedHeldCount`), else this handle's own."""
         if max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
         self.info = info
-        # With several API server processes each holds its share of the bound.
-        self.capacity = -(-(info.max_reqs + max_waiting) // servers)
+        self.capacity = info.max_reqs + max_waiting  # the whole server's, over every API server process
+        self._held = HeldCount() if held is None else held
         self.failure: Optional[BaseException] = None
         self.stats: Optional[LoopStats] = None  # the loop's measurements, once it has returned
         # Called once, from the engine side, when it fails: the server stops (run_server exits
         # 1, as an engine whose GPU work died cannot be served from again).
         self.on_failure: Optional[Callable[[], None]] = None
-        self._outstanding = 0  # asyncio thread only
         self._finished: dict[str, int] = {}  # finish reason -> requests (asyncio thread only)
         self._queues: dict[str, asyncio.Queue] = {}  # asyncio thread only
         # engine -> asyncio: deque appends and pops are atomic, so results are posted without a
@@ -110,11 +159,10 @@ class EngineHandle:
     def _register(self, request: Request) -> asyncio.Queue:
         if self.failure is not None or not self.running():
             raise EngineStopped("the engine is not running" + (f": {self.failure!r}" if self.failure else ""))
-        if self._outstanding >= self.capacity:
-            raise Overloaded(f"{self._outstanding} requests are running or waiting, the most this server holds")
+        if not self._held.take(self.capacity):
+            raise Overloaded(f"{self.capacity} requests are running or waiting, the most this server holds")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request.id] = queue
-        self._outstanding += 1
         return queue
 
     def running(self) -> bool:
@@ -141,7 +189,7 @@ class EngineHandle:
         # until it first has, or with the engine in this process, this process's own.
         rss = occupancy.pop("server_rss_bytes", None) or resident_bytes()
         return {"engine": "failed" if self.failure else ("running" if self.running() else "stopped"),
-                "outstanding": self._outstanding, "capacity": self.capacity, "finished": dict(self._finished),
+                "outstanding": self._held.value, "capacity": self.capacity, "finished": dict(self._finished),
                 **occupancy, "rss_bytes": rss, "device": self.info.device}
 
     def _deliver(self) -> None:
@@ -158,7 +206,7 @@ class EngineHandle:
             queue = self._queues.get(request_id)
             if isinstance(event, RequestOutput):
                 self._queues.pop(request_id, None)
-                self._outstanding -= 1
+                self._held.give()
                 self._finished[event.finish_reason] = self._finished.get(event.finish_reason, 0) + 1
             if queue is not None:
                 queue.put_nowait(event)

@@ -30,7 +30,8 @@ from multiprocessing.connection import Connection
 from typing import Callable, Optional
 
 from graphrelay.capture.serving.engine_channel import EngineChannel
-from graphrelay.capture.serving.engine_handle import EngineHandle, EngineInfo, EngineStopped, Rejected
+from graphrelay.capture.serving.engine_handle import (EngineHandle, EngineInfo, EngineStopped, HeldCount, Rejected,
+                                                    SharedHeldCount)
 from graphrelay.capture.serving.engine_messages import (Abort, Close, Failed, Finished, Hello, Ready, Results, Submit,
                                                        Tokens, decode_to_server, encode)
 from graphrelay.capture.serving.frames import FrameReader, FrameWriter, widen
@@ -83,7 +84,7 @@ class EngineLink(EngineHandle):
     """One API server process's handle on the engine process, over its own pair of pipes;
     constructing it waits until the engine is captured and ready."""
 
-    def __init__(self, pipes: ServerPipes, max_waiting: int, *, servers: int = 1,
+    def __init__(self, pipes: ServerPipes, max_waiting: int, *, held: Optional[HeldCount] = None,
                  start_timeout_s: float = START_TIMEOUT_S):
         self._pipes = pipes  # the connections own the descriptors: kept for as long as they are used
         requests, results = pipes
@@ -92,7 +93,7 @@ class EngineLink(EngineHandle):
         first = self._first_message(start_timeout_s)
         if not isinstance(first, Ready):
             raise RuntimeError(f"the engine process failed to start: {getattr(first, 'message', first)}")
-        super().__init__(first.info, max_waiting, servers)
+        super().__init__(first.info, max_waiting, held)
         self._requests_fd = requests.fileno()
         self._writer: Optional[FrameWriter] = None  # on the event loop, from `start`
         self._occupancy: dict = {"slots": first.info.max_reqs, "free_slots": first.info.max_reqs, "running": 0,
@@ -167,7 +168,7 @@ class EngineLink(EngineHandle):
         future = self._admissions.get(request_id)
         if error is not None:
             self._queues.pop(request_id, None)
-            self._outstanding -= 1
+            self._held.give()
         if future is not None and not future.done():
             if error is None:
                 future.set_result(None)
@@ -227,7 +228,8 @@ class EngineLink(EngineHandle):
 
 class EngineProcess(EngineLink):
     """Starts the engine process with a pair of pipes for each of `servers` API server
-    processes, and is the first one's link; `spare_pipes` are the others', for their processes."""
+    processes, and is the first one's link; `spare_pipes` are the others', for their processes,
+    and `held` the count of requests every one of them shares."""
 
     def __init__(self, build: Callable[[], ServingLoop], max_waiting: int, *, servers: int = 1,
                  start_timeout_s: float = START_TIMEOUT_S):
@@ -246,8 +248,9 @@ class EngineProcess(EngineLink):
             for end in ends:
                 end.close()
         self.spare_pipes: list[ServerPipes] = server_ends[1:]
+        self.held = SharedHeldCount(context) if servers > 1 else HeldCount()
         try:
-            super().__init__(server_ends[0], max_waiting, servers=servers, start_timeout_s=start_timeout_s)
+            super().__init__(server_ends[0], max_waiting, held=self.held, start_timeout_s=start_timeout_s)
         except TimeoutError:
             self._process.kill()
             raise RuntimeError(f"the engine process did not come up in {start_timeout_s} s") from None

@@ -154,8 +154,9 @@ class OpenAIServer:
         }]})
 
     async def health(self, http: HttpRequest) -> Response:
-        # With several API servers, `outstanding`, `capacity`, `finished` and `rss_bytes` are
-        # this process's (the one the connection reached); the slot counts are the engine's.
+        # With several API servers, `finished` is this process's (the one the connection
+        # reached); `outstanding` and `capacity` are the whole server's (one shared count), as are
+        # the slot counts (the engine's) and `rss_bytes`.
         state = {**self.worker.health(), "api_server": self.index, "api_servers": self.options.api_servers,
                  "pid": os.getpid()}
         return _json(state, 200 if state["engine"] == "running" else 503)
