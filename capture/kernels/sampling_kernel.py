@@ -210,18 +210,19 @@ def _chunk_kernel(
         if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(0) - 1:
             tl.debug_barrier()
             tl.atomic_xchg(counter, 0)
-            threshold = _row_threshold(row * tl.num_programs(0), tl.num_programs(0), count, has_top_k, top_p,
-                                       temperature, chunk_max_ptr, chunk_mass_ptr, chunk_top_ptr, scratch_ptr,
-                                       CHUNKS, RANKED, LEVELS, MERGED)
+            threshold = _row_threshold(row, tl.num_programs(0), count, has_top_k, top_p, temperature, chunk_max_ptr,
+                                       chunk_mass_ptr, chunk_top_ptr, scratch_ptr, CHUNKS, RANKED, LEVELS, MERGED)
             tl.store(threshold_ptr + row, threshold)
 
 
 @triton.jit
-def _row_threshold(row_first, n_chunks, count, has_top_k, top_p, temperature, chunk_max_ptr, chunk_mass_ptr,
+def _row_threshold(row, n_chunks, count, has_top_k, top_p, temperature, chunk_max_ptr, chunk_mass_ptr,
                    chunk_top_ptr, scratch_ptr, CHUNKS: tl.constexpr, RANKED: tl.constexpr, LEVELS: tl.constexpr,
                    MERGED: tl.constexpr):
     """A cut row's keep threshold (capture.sampling.keep_threshold) from its chunks' maxima,
-    lists and masses, which other programs stored: read past the SM's L1 (".cg")."""
+    lists and masses, which other programs stored: read past the SM's L1 (".cg"). scratch:
+    the row's RANKED floats of the nucleus's own."""
+    row_first = row * n_chunks  # the row's first [bs, chunks] entry
     c = tl.arange(0, CHUNKS)
     chunk_max = tl.load(chunk_max_ptr + row_first + c, mask=c < n_chunks, other=float("-inf"),
                         cache_modifier=".cg")  # [CHUNKS]
@@ -234,7 +235,7 @@ def _row_threshold(row_first, n_chunks, count, has_top_k, top_p, temperature, ch
     kth = _kth_largest(candidates, listed, count, LEVELS)
     threshold = tl.where(has_top_k, kth, float("-inf"))
     if top_p < 1:
-        scratch = scratch_ptr + row_first * RANKED  # the row's own
+        scratch = scratch_ptr + row * RANKED
         n_above = _store_above(scratch, candidates, listed & (candidates > kth))
         tl.debug_barrier()  # other threads of this program read those stores back
         vocab_mass = tl.full((), 0.0, tl.float32)
@@ -364,7 +365,8 @@ def sample_chunks(
     # Scratch, [bs, chunks] per chunk result; every entry a kernel reads, an earlier one wrote.
     stats = torch.empty((3, bs, n_chunks), dtype=torch.float32, device=device)  # max, mass, score
     args = torch.empty((2, bs, n_chunks), dtype=torch.int32, device=device)  # argmax, score argmax
-    lists = torch.empty((2, bs, n_chunks, ranked), dtype=torch.float32, device=device)  # chunk tops, nucleus
+    tops = torch.empty((bs, n_chunks, ranked), dtype=torch.float32, device=device)  # each chunk's top list
+    nucleus = torch.empty((bs, ranked), dtype=torch.float32, device=device)  # a row's ranked entries
     thresholds = torch.empty(bs, dtype=torch.float32, device=device)
     if counters is None:
         counters = torch.zeros(bs, dtype=torch.int32, device=device)
@@ -378,7 +380,7 @@ def sample_chunks(
     cap = {} if CHUNK_REGISTERS is None else {"maxnreg": CHUNK_REGISTERS}
     levels = select_levels(logits.dtype)
     _chunk_kernel[(n_chunks, bs)](
-        *row_params, stats[0], args[0], stats[1], lists[0], lists[1], thresholds, counters, vocab, width,
+        *row_params, stats[0], args[0], stats[1], tops, nucleus, thresholds, counters, vocab, width,
         HAS_TOP_P=top_p is not None, CHUNK=chunk, CHUNKS=chunks, RANKED=ranked, LEVELS=levels,
         MERGED=triton.next_power_of_2(n_chunks * ranked), num_warps=8, **cap,
     )
