@@ -28,19 +28,36 @@ def test_smoke_with_profile_writes_every_shape_and_a_breakdown_per_decode_shape(
         assert profile_row["kernels_per_iteration"] > 0 and profile_row["kernels"], shape
         assert profile_row["gpu_us_per_iteration"] == pytest.approx(
             sum(k["us_per_iteration"] for k in profile_row["kernels"]))
+        # What the ops add never exceeds what they last: sequential CPU ops add all of it.
+        assert 0 < profile_row["busy_us_per_iteration"] <= profile_row["gpu_us_per_iteration"] + 1e-6
         assert f"{shape}: " in printed
 
 
-def test_breakdown_folds_records_per_name_and_iteration_largest_first():
-    events = [("gemv", 4.0), ("attn", 5.0), ("gemv", 2.0), ("gemv", 3.0), ("attn", 7.0), ("head", 1.0)]
+def test_breakdown_folds_records_per_name_and_iteration():
+    # Back to back, no overlap (two iterations, a host gap between them): each adds its duration.
+    events = [("gemv", 0, 4), ("attn", 4, 9), ("gemv", 9, 11),
+              ("gemv", 100, 103), ("attn", 103, 110), ("head", 110, 111)]
     result = breakdown(events, iterations=2)
     assert [r["name"] for r in result["kernels"]] == ["attn", "gemv", "head"]
     attn, gemv, head = result["kernels"]
     assert (attn["calls_per_iteration"], attn["us_each"], attn["us_per_iteration"]) == (1.0, 6.0, 6.0)
     assert (gemv["calls_per_iteration"], gemv["us_each"], gemv["us_per_iteration"]) == (1.5, 3.0, 4.5)
     assert head["us_per_iteration"] == 0.5
+    assert [r["adds_us_per_iteration"] for r in result["kernels"]] == [6.0, 4.5, 0.5]
     assert result["kernels_per_iteration"] == 3.0 and result["gpu_us_per_iteration"] == 11.0
-    assert "3 kernels, 11.0 us" in format_breakdown("decode 1", result)
+    assert result["busy_us_per_iteration"] == 11.0
+    assert "3 kernels, 11.0 us of kernel time, 11.0 us busy" in format_breakdown("decode 1", result)
+
+
+def test_what_an_overlapped_kernel_adds_is_its_end_past_the_latest_end_before_it():
+    # PDL: each kernel starts inside its predecessor, and "wait" sits wholly inside "long".
+    events = [("qkv", 10, 14), ("attn", 12, 20), ("long", 19, 40), ("wait", 21, 30), ("o", 38, 43)]
+    result = breakdown(events, iterations=1)
+    adds = {r["name"]: r["adds_us_per_iteration"] for r in result["kernels"]}
+    assert adds == {"qkv": 4.0, "attn": 6.0, "long": 20.0, "wait": 0.0, "o": 3.0}
+    assert result["busy_us_per_iteration"] == 33.0  # 10 .. 43: the device's busy span
+    assert result["gpu_us_per_iteration"] == 4 + 8 + 21 + 9 + 5  # durations overlap: more than the span
+    assert result["kernels"][0]["name"] == "long"  # the most added first
 
 
 def test_breakdown_needs_an_iteration():
