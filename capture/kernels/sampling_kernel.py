@@ -362,17 +362,17 @@ def sample_chunks(
     n_chunks = triton.cdiv(vocab, chunk)
     chunks = triton.next_power_of_2(n_chunks)
     device = logits.device
+    if counters is None:
+        counters = torch.zeros(bs, dtype=torch.int32, device=device)
+    elif counters.shape != (bs,) or counters.dtype != torch.int32 or counters.device != device or counters.stride(0) != 1:
+        raise ValueError(f"sampler counters must be a contiguous int32 [{bs}] tensor on {device}, zero between calls "
+                         f"(see sample_triton), got {counters.dtype} {tuple(counters.shape)} on {counters.device}")
     # Scratch, [bs, chunks] per chunk result; every entry a kernel reads, an earlier one wrote.
     stats = torch.empty((3, bs, n_chunks), dtype=torch.float32, device=device)  # max, mass, score
     args = torch.empty((2, bs, n_chunks), dtype=torch.int32, device=device)  # argmax, score argmax
     tops = torch.empty((bs, n_chunks, ranked), dtype=torch.float32, device=device)  # each chunk's top list
     nucleus = torch.empty((bs, ranked), dtype=torch.float32, device=device)  # a row's ranked entries
     thresholds = torch.empty(bs, dtype=torch.float32, device=device)
-    if counters is None:
-        counters = torch.zeros(bs, dtype=torch.int32, device=device)
-    elif counters.shape != (bs,) or counters.dtype != torch.int32 or counters.device != device or counters.stride(0) != 1:
-        raise ValueError(f"sampler counters must be a contiguous int32 [{bs}] tensor on {device}, zero between calls "
-                         f"(see sample_triton), got {counters.dtype} {tuple(counters.shape)} on {counters.device}")
     # top_p None compiles the nucleus away; the pointer passed in its place is never read.
     top_p_arg = top_p if top_p is not None else temperature
     row_params = (logits, logits.stride(0), temperature, temperature.stride(0), top_k, top_k.stride(0),
