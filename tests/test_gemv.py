@@ -274,6 +274,17 @@ def test_every_candidate_tiling_equals_unfused(rows, k):
         check_linear_residual("cpu", torch.bfloat16, rows, k, 20, tiles=tiles)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_every_lm_head_tiling_gathers_as_unfused(rows):
+    """The LM head's candidates (`wide`: at one row, 8 and 16 features a program besides) read
+    the sampled rows through the index as the unfused gather does, in float32 and bfloat16."""
+    for tiles in candidate_tiles(rows, 600, wide=True):
+        for dtype in (torch.float32, torch.bfloat16):
+            check_norm_linear_rows("cpu", dtype, 2 * rows + 1, 600, 40, list(range(2 * rows, -1, -2)),
+                                   with_residual=True, tiles=tiles)
+    assert len(candidate_tiles(1, 600, wide=True)) > len(candidate_tiles(1, 600))
+
+
 def check_early_equals_late(device, dtype, rows, k, tiles: gemv_tiles.Tiles, seed=0) -> None:
     """A tiling that requests its epilogue inputs before the K loop computes what it does after
     it, bit for bit (only the loads move), for all four fused projections."""
@@ -292,6 +303,26 @@ def check_early_equals_late(device, dtype, rows, k, tiles: gemv_tiles.Tiles, see
         results.append([q, summed, rotary.k_cache, rotary.v_cache, act, down])
     for index, (late, early) in enumerate(zip(*results)):
         assert torch.equal(late, early), f"{tiles} rows={rows} k={k}: output {index} differs with early=True"
+
+
+@pytest.mark.parametrize("tiles", [gemv_tiles.Tiles(1, 4, 64, 4, True), gemv_tiles.Tiles(16, 16, 64, 4, False, early=True),
+                                   gemv_tiles.Tiles(16, 16, 64, 4, False)])
+def test_settled_rotary_inputs_change_no_bit(tiles):
+    # Rotary.settled moves the position, slot and table loads before the PDL wait (where the
+    # tiling requests its epilogue inputs early) and past L1: the same bits, whichever tiling.
+    heads, rows, k = HEADS[0], 5 if tiles.fma else 20, 40
+    width = (heads.heads + 2 * heads.kv_heads) * heads.head_dim
+    t = inputs("cpu", torch.bfloat16, rows, k, width, seed=3)
+    case = rotary_case(heads, rows, dtype=torch.bfloat16, device="cpu", cache_rows=9, seq_len=64, seed=3)
+    results = []
+    for settled in (False, True):
+        rotary = gemv.Rotary(case.cos, case.sin, case.positions, case.slots, case.k_cache.clone(),
+                             case.v_cache.clone(), heads.heads, heads.kv_heads, settled=settled)
+        q = gemv.norm_qkv_rotary(t["x"], t["norm_weight"], t["weight"], EPS, rotary, backend="triton", tiles=tiles)
+        results.append((q, rotary.k_cache, rotary.v_cache))
+    for index, (plain, settled) in enumerate(zip(*results)):
+        assert torch.equal(plain, settled), f"{tiles}: output {index} differs with settled=True"
+    assert not torch.equal(results[0][1], case.k_cache)  # the keys were written at all
 
 
 @pytest.mark.parametrize("rows,k", [(20, 40), (80, 600)])

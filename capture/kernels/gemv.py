@@ -78,6 +78,10 @@ class Rotary(NamedTuple):
     v_cache: torch.Tensor
     num_heads: int
     num_kv_heads: int
+    # positions and slots were written two or more launches before the projection (not by the
+    # kernel just before it), as in every layer of a forward but the first: under PDL the kernel
+    # then reads them, and the table rows they pick, before its wait (capture.kernels.pdl).
+    settled: bool = False
 
 
 @triton.jit
@@ -86,7 +90,11 @@ def _dot(x, w, acc, DOT_F32: tl.constexpr, FMA: tl.constexpr, SWAP: tl.constexpr
     exact products in float32, so upcasting first and summing in float32 is the same
     computation. FMA (a one-row tile): products and a sum over K in float32 on the CUDA cores;
     a tensor-core dot pads the row to 16."""
-    if FMA:
+    if FMA and x.shape[0] == 1:
+        # One row: the product in the weight tile's own 2D layout (x [1, K] broadcasts over its
+        # rows), so neither operand goes through shared memory to meet a 3D layout.
+        return acc + tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+    elif FMA:
         return acc + tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     elif SWAP and DOT_F32:
         return tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
@@ -110,7 +118,8 @@ def _prefetch_rows_to_l2(rows_ptr, row_ok, K: tl.constexpr, LINE: tl.constexpr, 
 
 @triton.jit
 def _epilogue_inputs(add_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, rows, row64, col_a, out_ok, M, N,
-                     table_rows, cache_rows, seq_len, EPILOGUE: tl.constexpr, D: tl.constexpr):
+                     table_rows, cache_rows, seq_len, EPILOGUE: tl.constexpr, D: tl.constexpr,
+                     META: tl.constexpr):
     """What the epilogue reads besides the product: the residual tile (EPILOGUE_RESIDUAL), or
     each row's position and cache slot with cos and sin at the tile's columns of each head's two
     halves (EPILOGUE_ROTARY); zeros for what the epilogue does not use."""
@@ -125,8 +134,8 @@ def _epilogue_inputs(add_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, rows, row64, 
         # Each element is read and written by this program alone, so `add` may alias `out`.
         base = tl.load(add_ptr + row64 * N + col_a[None, :], mask=out_ok, other=0.0).to(tl.float32)
     elif EPILOGUE == 3:
-        pos = tl.load(pos_ptr + rows, mask=rows < M, other=0).to(tl.int64)
-        slot = tl.load(slot_ptr + rows, mask=rows < M, other=0).to(tl.int64)
+        pos = tl.load(pos_ptr + rows, mask=rows < M, other=0, cache_modifier=META).to(tl.int64)
+        slot = tl.load(slot_ptr + rows, mask=rows < M, other=0, cache_modifier=META).to(tl.int64)
         # As layer_kernels' rotary kernel: a bad index writes padding row 0, nothing outside.
         ok = (slot >= 0) & (slot < cache_rows) & (pos >= 0) & (pos < seq_len) & (pos < table_rows)
         pos = tl.where(ok, pos, 0)
@@ -183,6 +192,7 @@ def _skinny_linear_kernel(
     SPLIT_K: tl.constexpr,  # programs per output tile, each over K_STEPS of the K steps (Tiles.split_k)
     K_STEPS: tl.constexpr,
     USE_PDL: tl.constexpr,
+    SETTLED: tl.constexpr,  # ROTARY: positions and slots settled (Rotary.settled), read before the PDL wait
     LINE: tl.constexpr,  # weight elements per 128-byte line
     LINES: tl.constexpr,  # next power of two >= the lines of one weight row
 ):
@@ -213,6 +223,15 @@ def _skinny_linear_kernel(
         wa = tl.load(w_a + ks[None, :], mask=w_ok & (ks[None, :] < K), other=0.0)
         if EPILOGUE >= 2:
             wb = tl.load(w_b + ks[None, :], mask=w_ok & (ks[None, :] < K), other=0.0)
+    out_ok = row_ok & idx_ok[None, :]
+    row64 = rows[:, None].to(tl.int64)
+    if EARLY and SETTLED and EPILOGUE == 3:
+        # Positions and slots from two or more launches back, past L1 (".cg"), and the rotary
+        # table rows they pick (constant): the chain of two dependent loads runs under the
+        # previous kernel's tail instead of after the wait.
+        base, pos, slot, cos_a, sin_a, cos_b, sin_b = _epilogue_inputs(
+            add_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, rows, row64, col_a, out_ok, M, N,
+            table_rows, cache_rows, seq_len, EPILOGUE, D, ".cg")
     if USE_PDL:
         # While the previous kernel finishes, the rest of the weight streams into L2 too.
         if BLOCK_K < K:
@@ -232,9 +251,7 @@ def _skinny_linear_kernel(
         src = rows.to(tl.int64)
     x_rows = x_ptr + src[:, None] * K
     res_rows = res_in_ptr + src[:, None] * K
-    out_ok = row_ok & idx_ok[None, :]
-    row64 = rows[:, None].to(tl.int64)
-    if EARLY:
+    if EARLY and not (SETTLED and EPILOGUE == 3):
         # The epilogue inputs (residual tile; rotary positions, slots and table rows) do not
         # depend on the product: requested now, their latency hides under the dot instead of
         # following it (one row at a time, the kernel is a chain of memory latencies). Held
@@ -242,7 +259,7 @@ def _skinny_linear_kernel(
         # +2.6% at 64 decode rows, -6% at 256), so there it is a tiling the start-up plan times.
         base, pos, slot, cos_a, sin_a, cos_b, sin_b = _epilogue_inputs(
             add_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, rows, row64, col_a, out_ok, M, N,
-            table_rows, cache_rows, seq_len, EPILOGUE, D)
+            table_rows, cache_rows, seq_len, EPILOGUE, D, "")
 
     if NORM:
         sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -284,10 +301,11 @@ def _skinny_linear_kernel(
             if HAS_RESIDUAL:
                 r = tl.load(res_rows + k0 + ks[None, :], mask=k_ok, other=0.0)
                 x = _round_to(x.to(tl.float32) + r.to(tl.float32), dtype)
-            nw = tl.load(norm_w_ptr + k0 + ks, mask=k0 + ks < K, other=0.0)
+            # [1, BLOCK_K]: loaded in x's own layout, not converted to it.
+            nw = tl.load(norm_w_ptr + k0 + ks[None, :], mask=k0 + ks[None, :] < K, other=0.0)
             # Llama's order: normalize in float32, round, then scale by the weight in the model dtype.
             normed = _round_to(x.to(tl.float32) * rstd[:, None], dtype)
-            x = _round_to(nw[None, :].to(tl.float32) * normed.to(tl.float32), dtype)
+            x = _round_to(nw.to(tl.float32) * normed.to(tl.float32), dtype)
         if FMA:
             acc_a = _dot(x, wa, acc_a, DOT_F32, FMA, SWAP)
             if EPILOGUE >= 2:
@@ -334,7 +352,7 @@ def _skinny_linear_kernel(
     if not EARLY:
         base, pos, slot, cos_a, sin_a, cos_b, sin_b = _epilogue_inputs(
             add_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, rows, row64, col_a, out_ok, M, N,
-            table_rows, cache_rows, seq_len, EPILOGUE, D)
+            table_rows, cache_rows, seq_len, EPILOGUE, D, "")
     if EPILOGUE == 3:
         # torch's ops in torch's order (x * cos + rotated * sin, rotated = cat(-x2, x1)), no FMA.
         is_qk = (head < H + KVH)[None, :]
@@ -395,6 +413,8 @@ def _launch(x, weight, out, *, n, epilogue, pdl, norm_weight=None, eps=0.0, resi
         # NOTE: the interpreter multiplies bfloat16 dot operands as their raw uint16 bits: upcast there.
         DOT_F32=x.dtype == torch.float32 or not x.is_cuda, FMA=fma, EARLY=fma or early, SWAP=swap,
         SPLIT_K=split_k, K_STEPS=triton.cdiv(triton.cdiv(k, block_k), split_k), USE_PDL=pdl,
+        # Without PDL "before the wait" is just earlier: the same values (so the interpreter runs it too).
+        SETTLED=bool(rotary is not None and rotary.settled),
         LINE=128 // weight.element_size(), LINES=triton.next_power_of_2(triton.cdiv(k * weight.element_size(), 128)),
         num_warps=warps, **({} if fma else {"num_stages": TC_STAGES if x.element_size() <= 2 else TC_STAGES_FLOAT32}),
         # a*b + c*d contracted to an FMA would round the rotation differently from torch.

@@ -241,9 +241,11 @@ def model_shape(model: "LlamaModel") -> dict[str, int | str]:
 # Measurement
 
 
-def candidate_tiles(rows: int, k: int, split: bool = False) -> list[Tiles]:
+def candidate_tiles(rows: int, k: int, split: bool = False, wide: bool = False) -> list[Tiles]:
     """The Triton tilings start-up timing tries for a projection of `rows` rows and K = k
-    (split: an O or down projection, which split-K tilings can serve).
+    (split: an O or down projection, which split-K tilings can serve; wide: the LM head, whose
+    vocabulary-wide output gives one-row tiles of 2-4 features 12k-25k programs, each of which
+    normalizes its row again, so at one row it also tries 8 and 16 features a program).
 
     A few per regime, so start-up compiles few variants: the winners of sweeps on the H200
     (SmolLM2-135M's four projections, 30 layers' weights in one graph; 1-256 rows,
@@ -265,7 +267,8 @@ def candidate_tiles(rows: int, k: int, split: bool = False) -> list[Tiles]:
     whole_k = min(triton.next_power_of_2(k), FMA_MAX_K)
     if rows <= 4:
         m = triton.next_power_of_2(rows)
-        return [Tiles(m, 2, whole_k, 8, True), Tiles(m, 4, whole_k, 4, True)]
+        wider = [Tiles(1, 8, whole_k, 4, True), Tiles(1, 16, whole_k, 8, True)] if wide and rows == 1 else []
+        return [Tiles(m, 2, whole_k, 8, True), Tiles(m, 4, whole_k, 4, True)] + wider
     swapped = Tiles(16, 64, 64, 4, False, swap=True)
     if rows <= 16:
         tiles = [Tiles(4, 2, whole_k, 8, True), Tiles(4, 4, whole_k, 4, True),
@@ -328,7 +331,7 @@ def time_projections(model: "LlamaModel", sizes: Sequence[int], *, stream: torch
             logits = torch.empty(rows, c.vocab_size, dtype=c.torch_dtype, device=model.device)
             for projection in PROJECTIONS:
                 k = {"o": c.num_heads * c.head_dim, "down": c.intermediate_size}.get(projection, c.hidden_size)
-                tilings = candidate_tiles(rows, k, split=projection in SPLIT_PROJECTIONS)
+                tilings = candidate_tiles(rows, k, split=projection in SPLIT_PROJECTIONS, wide=projection == HEAD)
                 variants = [("torch", None)] + [("triton", t) for t in tilings]
                 # The gate's own copy of the stream: the timed O / down calls update stream_x in place.
                 inputs = (gate_stream, attn, act, rotary, head, c.rms_eps, workspace, pdl)

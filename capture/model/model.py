@@ -503,8 +503,10 @@ class LlamaModel:
         # The residual stream [n, hidden], unless the caller gathered it (`forward`'s embedded).
         update, stream = None, self.embed.index_select(0, tokens) if embedded is None else embedded
         for index, layer in enumerate(self.layers):
+            # Past the first layer, positions and slots were written long before (the caller, or
+            # the iteration prologue just before layer 0's projection).
             rotary = gemv.Rotary(self.rope_cos, self.rope_sin, positions, slots, self.kv_cache.keys[index],
-                                 self.kv_cache.values[index], c.num_heads, c.num_kv_heads)
+                                 self.kv_cache.values[index], c.num_heads, c.num_kv_heads, settled=index > 0)
             q, stream = ops.qkv(update, stream, layer, rotary)
             update, stream = ops.o(attend(index, q), stream, layer)
             act, stream = ops.gate_up(update, stream, layer)

@@ -80,6 +80,15 @@ def test_norm_lm_head_of_gathered_rows(rows, with_residual):
                            with_residual=with_residual)
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+def test_every_lm_head_tiling_at_smollm2_vocab(rows):
+    """Each tiling the start-up plan may time for the head (the wide one-row tiles included)
+    compiles here and gathers the rows as the unfused path does."""
+    for tiles in candidate_tiles(rows, SMOL.hidden, wide=True):
+        check_norm_linear_rows(DEVICE, BF16, 2 * rows + 3, SMOL.hidden, VOCAB, sampled_rows(rows),
+                               with_residual=True, tiles=tiles)
+
+
 def test_pdl_is_on_for_hopper_and_changes_no_bit():
     device = torch.device(DEVICE)
     t = inputs(DEVICE, BF16, 8, SMOL.hidden, SMOL.hidden, seed=1)
