@@ -73,27 +73,6 @@ def check_norm_linear(device, dtype, rows, k, n, *, with_residual, seed=0, pdl=N
     assert all(torch.equal(v, before[name]) for name, v in t.items()), "an input changed"
 
 
-def check_norm_linear_rows(device, dtype, tokens, k, n, index, *, with_residual, seed=0, pdl=None,
-                           tiles=None) -> None:
-    """norm_linear over the rows `index` (a list) names of `tokens` rows, as the LM head reads
-    the rows that sample: against the unfused gather (layer_kernels.rms_norm with rows, then
-    the matmul), into an `out` of the index's length; and each row is that of its token."""
-    t = inputs(device, dtype, tokens, k, n, seed)
-    residual = t["residual"] if with_residual else None
-    before = {name: v.clone() for name, v in t.items()}
-    rows = torch.tensor(index, dtype=torch.int32 if seed % 2 else torch.int64, device=device)
-    out = torch.full((len(index), n), float("nan"), dtype=dtype, device=device)
-    got = gemv.norm_linear(t["x"], t["norm_weight"], t["weight"], EPS, residual=residual, rows=rows, out=out,
-                           backend="triton", pdl=pdl, tiles=tiles)
-    ref = gemv.norm_linear(t["x"], t["norm_weight"], t["weight"], EPS, residual=residual, rows=rows, backend="torch")
-    assert got is out
-    assert_close_to(got, ref, f"norm_linear rows={index} {dtype} tokens={tokens} k={k} n={n} {tiles}", ulps=2)
-    # (The same rows in a GEMM of another row count may sum in another order.)
-    whole = gemv.norm_linear(t["x"], t["norm_weight"], t["weight"], EPS, residual=residual, backend="torch")
-    assert_close_to(ref, (whole if residual is None else whole[0])[rows.long()], "a row is not its token's", ulps=2)
-    assert all(torch.equal(v, before[name]) for name, v in t.items()), "an input changed"
-
-
 def check_norm_gate_up_silu(device, dtype, rows, k, n, *, with_residual, seed=0, pdl=None, tiles=None) -> None:
     t = inputs(device, dtype, rows, k, n, seed)
     residual = t["residual"] if with_residual else None
@@ -200,31 +179,6 @@ def test_norm_linear_equals_unfused(rows, k, n, dtype, seed, with_residual):
     check_norm_linear("cpu", dtype, rows, k, n, with_residual=with_residual, seed=seed)
 
 
-# The LM head's gather: any rows of x in any order, repeats included, fewer or more of them
-# than x has; the default tiling (one-row CUDA-core programs up to 16 rows, tensor-core tiles
-# beyond), multi-row CUDA-core programs, and tensor-core tiles plain and swapped, whose row
-# tiles mask rows past the index's end.
-GATHER_TILES = [None, gemv_tiles.Tiles(4, 4, 64, 4, True), gemv_tiles.Tiles(16, 16, 64, 4, False),
-                gemv_tiles.Tiles(16, 64, 64, 4, False, swap=True)]
-
-
-@FEW
-@given(tokens=st.integers(1, 12), k=SHAPES["k"], n=SHAPES["n"], dtype=SHAPES["dtype"], seed=SHAPES["seed"],
-       with_residual=st.booleans(), tiles=st.sampled_from(GATHER_TILES), data=st.data())
-def test_norm_linear_of_gathered_rows_equals_unfused(tokens, k, n, dtype, seed, with_residual, tiles, data):
-    index = data.draw(st.lists(st.integers(0, tokens - 1), min_size=1, max_size=20), label="rows")
-    check_norm_linear_rows("cpu", dtype, tokens, k, n, index, with_residual=with_residual, seed=seed, tiles=tiles)
-
-
-@pytest.mark.parametrize("tiles", GATHER_TILES[1:], ids=["fma", "dot", "swap"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
-def test_norm_linear_gathers_rows_in_every_kind_of_tile(tiles, dtype):
-    """Both dtypes in each kind of tile, 17 rows (two 16-row tiles) out of 20 in reverse, K in
-    several steps: a fixed case beside the random ones."""
-    check_norm_linear_rows("cpu", dtype, 20, 150, 40, list(range(19, 2, -1)), with_residual=True, tiles=tiles)
-    check_norm_linear_rows("cpu", dtype, 20, 150, 40, [7], with_residual=False, seed=1, tiles=tiles)
-
-
 @FEW
 @given(**SHAPES, with_residual=st.booleans())
 def test_norm_gate_up_silu_equals_unfused(rows, k, n, dtype, seed, with_residual):
@@ -272,17 +226,6 @@ def test_every_candidate_tiling_equals_unfused(rows, k):
         check_norm_qkv_rotary("cpu", torch.bfloat16, rows, k, HEADS[0], with_residual=False, tiles=tiles)
     for tiles in candidate_tiles(rows, k, split=True):  # O and down: split-K tilings too
         check_linear_residual("cpu", torch.bfloat16, rows, k, 20, tiles=tiles)
-
-
-@pytest.mark.parametrize("rows", [1, 3])
-def test_every_lm_head_tiling_gathers_as_unfused(rows):
-    """The LM head's candidates (`wide`: at one row, 8 and 16 features a program besides) read
-    the sampled rows through the index as the unfused gather does, in float32 and bfloat16."""
-    for tiles in candidate_tiles(rows, 600, wide=True):
-        for dtype in (torch.float32, torch.bfloat16):
-            check_norm_linear_rows("cpu", dtype, 2 * rows + 1, 600, 40, list(range(2 * rows, -1, -2)),
-                                   with_residual=True, tiles=tiles)
-    assert len(candidate_tiles(1, 600, wide=True)) > len(candidate_tiles(1, 600))
 
 
 def check_early_equals_late(device, dtype, rows, k, tiles: gemv_tiles.Tiles, seed=0) -> None:
@@ -475,18 +418,6 @@ BAD_CALLS = {
         "q_out must be"),
     "x not contiguous": (lambda b: gemv.linear_residual(
         torch.ones(8, 2).t(), (t := _bad())["weight"], t["stream"], backend=b), "contiguous"),
-    "float rows": (lambda b: gemv.norm_linear(
-        (t := _bad())["x"], t["norm_weight"], t["weight"], EPS, rows=torch.zeros(1), backend=b),
-        "norm_linear rows must be a 1-d int32/int64"),
-    "strided rows": (lambda b: gemv.norm_linear(
-        (t := _bad())["x"], t["norm_weight"], t["weight"], EPS, rows=torch.zeros(4, dtype=torch.int64)[::2],
-        backend=b), "norm_linear rows must be contiguous"),
-    "rows with residual_out": (lambda b: gemv.norm_linear(
-        (t := _bad())["x"], t["norm_weight"], t["weight"], EPS, residual=t["residual"],
-        residual_out=torch.zeros(2, 8), rows=torch.zeros(1, dtype=torch.int64), backend=b), "keeps no residual_out"),
-    "rows out shape": (lambda b: gemv.norm_linear(
-        (t := _bad())["x"], t["norm_weight"], t["weight"], EPS, rows=torch.zeros(3, dtype=torch.int64),
-        out=torch.ones(2, 6), backend=b), r"norm_linear out must be .* shape \[3, 6\]"),
 }
 
 

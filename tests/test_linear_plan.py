@@ -1,8 +1,6 @@
 """capture.model.linear_plan: the per-row-count backend lookup, the choice from timings, and the
 model's layer stack under every kind of plan: all-torch is the pre-plan stack op for op, and
-all-Triton or mixed plans (interpreted) give the same greedy tokens in float32; the final norm +
-LM head entry, planned at the sampled rows: torch is forward then logits bit for bit, Triton one
-launch that agrees."""
+all-Triton or mixed plans (interpreted) give the same greedy tokens in float32."""
 
 from __future__ import annotations
 
@@ -12,18 +10,16 @@ import triton
 
 from graphrelay.capture.kernels import attention, gemv, gemv_tiles
 from graphrelay.capture.kernels import layer_kernels as kernels
-from graphrelay.capture.kernels.q_blocks import q_blocks
 from graphrelay.capture.model import linear_plan
-from graphrelay.capture.model.linear_plan import HEAD, LAYER_PROJECTIONS, PROJECTIONS, LinearPlan, ProjectionTiming
+from graphrelay.capture.model.linear_plan import PROJECTIONS, LinearPlan, ProjectionTiming
 from graphrelay.capture.model.model import LlamaModel, ModelConfig
-from test_gemv import assert_close_to
 
 ALL_TRITON = dict.fromkeys(PROJECTIONS, "triton")
 ALL_TORCH = dict.fromkeys(PROJECTIONS, "torch")
 
 
 def test_a_row_count_uses_the_smallest_measured_size_at_or_above_it():
-    mixed = {"qkv": "triton", "o": "torch", "gate_up": "triton", "down": "torch", HEAD: "triton"}
+    mixed = {"qkv": "triton", "o": "torch", "gate_up": "triton", "down": "torch"}
     plan = LinearPlan({8: mixed, 1: ALL_TRITON})
     assert plan.backends(1) == ALL_TRITON
     assert plan.backends(2) == plan.backends(8) == mixed
@@ -32,24 +28,21 @@ def test_a_row_count_uses_the_smallest_measured_size_at_or_above_it():
 
 
 def test_from_timings_keeps_the_faster_backend():
-    timings = [ProjectionTiming(4, p, torch_us=2.0, triton_us=us)
-               for p, us in zip(PROJECTIONS, (1.0, 3.0, 2.0, 1.9, 2.5))]
+    timings = [ProjectionTiming(4, p, torch_us=2.0, triton_us=us) for p, us in zip(PROJECTIONS, (1.0, 3.0, 2.0, 1.9))]
     plan = LinearPlan.from_timings(timings)
-    assert plan.backends(4) == {"qkv": "triton", "o": "torch", "gate_up": "torch", "down": "triton", HEAD: "torch"}
+    assert plan.backends(4) == {"qkv": "triton", "o": "torch", "gate_up": "torch", "down": "triton"}
 
 
 def test_from_timings_keeps_the_fastest_tiling_of_a_triton_choice():
     fma, dot = gemv_tiles.Tiles(2, 4, 1024, 4, True), gemv_tiles.Tiles(32, 16, 128, 4, False)
     timings = [ProjectionTiming(2, "qkv", 3.0, 2.0, fma), ProjectionTiming(2, "o", 1.0, 2.0, dot),
-               ProjectionTiming(2, "gate_up", 3.0, 2.0, None), ProjectionTiming(2, "down", 3.0, 2.0, dot),
-               ProjectionTiming(2, HEAD, 9.0, 4.0, fma)]
+               ProjectionTiming(2, "gate_up", 3.0, 2.0, None), ProjectionTiming(2, "down", 3.0, 2.0, dot)]
     plan = LinearPlan.from_timings(timings)
-    assert plan.backends(2) == {"qkv": "triton", "o": "torch", "gate_up": "triton", "down": "triton", HEAD: "triton"}
-    # o runs torch; gate_up the default
-    assert plan.tiles_for(1) == plan.tiles_for(2) == {"qkv": fma, "down": dot, HEAD: fma}
+    assert plan.backends(2) == {"qkv": "triton", "o": "torch", "gate_up": "triton", "down": "triton"}
+    assert plan.tiles_for(1) == plan.tiles_for(2) == {"qkv": fma, "down": dot}  # o runs torch; gate_up the default
     assert plan.tiles_for(3) == {}  # beyond the plan: the default everywhere
     ops = plan.ops(2, 1e-5)
-    assert ops.tiles == {"qkv": fma, "down": dot, HEAD: fma}
+    assert ops.tiles == {"qkv": fma, "down": dot}
 
 
 @pytest.mark.parametrize("tiles,match", [
@@ -57,7 +50,6 @@ def test_from_timings_keeps_the_fastest_tiling_of_a_triton_choice():
     ({16: {"qkv": gemv_tiles.Tiles(1, 4, 1024, 4, True)}}, "runs on triton"),  # no 16-row choice
     ({8: {"qkv": gemv_tiles.Tiles(1, 4, 1000, 4, True)}}, "powers of two"),
     ({8: {"qkv": gemv_tiles.Tiles(16, 16, 64, 4, False, split_k=2)}}, "split-K tiling serves only"),
-    ({8: {HEAD: gemv_tiles.Tiles(16, 16, 64, 4, False)}}, "runs on triton"),  # the head is torch at 8 rows
 ])
 def test_bad_tiles_in_a_plan_are_rejected(tiles, match):
     with pytest.raises(ValueError, match=match):
@@ -84,7 +76,6 @@ def test_candidate_tiles_are_valid_and_cover_the_rows(rows, k):
 @pytest.mark.parametrize("choices,default,match", [
     ({0: ALL_TORCH}, "torch", "positive ints"),
     ({4: {"qkv": "torch"}}, "torch", "must map each of"),
-    ({4: dict.fromkeys(LAYER_PROJECTIONS, "torch")}, "torch", "must map each of"),  # no head
     ({4: ALL_TORCH | {"o": "cublas"}}, "torch", "must map each of"),
     ({}, "cuda", "default must be one of"),
 ])
@@ -173,8 +164,8 @@ SPLIT_TILES = {"o": gemv_tiles.Tiles(16, 16, 16, 4, False, split_k=2),
 
 @pytest.mark.parametrize("backends,tiles", [
     (ALL_TRITON, None),
-    ({"qkv": "triton", "o": "torch", "gate_up": "triton", "down": "torch", HEAD: "torch"}, None),
-    ({"qkv": "torch", "o": "triton", "gate_up": "torch", "down": "triton", HEAD: "torch"}, None),
+    ({"qkv": "triton", "o": "torch", "gate_up": "triton", "down": "torch"}, None),
+    ({"qkv": "torch", "o": "triton", "gate_up": "torch", "down": "triton"}, None),
     (ALL_TRITON, SPLIT_TILES),
 ], ids=["triton", "norms-triton", "residuals-triton", "triton-split-k"])
 def test_greedy_tokens_equal_under_triton_and_mixed_plans(torch_run, backends, tiles, monkeypatch):
@@ -185,85 +176,9 @@ def test_greedy_tokens_equal_under_triton_and_mixed_plans(torch_run, backends, t
     # Prefill rows (up to 6) and decode rows (4) both fall in the 8-row entry.
     tokens, logits = greedy_run(LinearPlan({8: backends}, tiles=tiles and {8: tiles}))
     forwards, layers = len(PROMPTS) + STEPS, ModelConfig().num_layers
-    # prefill and decode end in `forward` + `logits`: the head's entry is forward_logits' (below).
-    assert len(launches) == forwards * layers * [backends[p] for p in LAYER_PROJECTIONS].count("triton")
+    assert len(launches) == forwards * layers * list(backends.values()).count("triton")
     assert tokens == expected_tokens
     torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
-
-
-# ----------------------------------------------------------------------------------------------
-# The final norm + LM head
-
-
-def head_case(dtype: str, tokens: int = 10):
-    """A tiny model and one prompt span of `tokens` tokens in slot 1, as forward's arguments."""
-    model = LlamaModel(ModelConfig(dtype=dtype), 2, "cpu")
-    ids = torch.randint(0, model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(tokens))
-    block_start, block_len = (torch.tensor(t, dtype=torch.int32) for t in q_blocks([tokens], [0]))
-    args = (ids, torch.ones(tokens, dtype=torch.int64), torch.arange(tokens), block_start, block_len)
-    return model, args
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("layers", ["torch", "triton"])
-def test_forward_logits_is_forward_then_logits_on_the_torch_head(dtype, layers):
-    """Today's two nodes, bit for bit, whether the last down projection left its update pending
-    (torch layers) or added it (Triton layers)."""
-    rows = torch.tensor([9, 2, 2, 0])
-    results = []
-    for fused in (False, True):
-        model, args = head_case(dtype)
-        model.plan = LinearPlan({16: dict.fromkeys(LAYER_PROJECTIONS, layers) | {HEAD: "torch"}})
-        out = torch.full((4, model.config.vocab_size), float("nan"), dtype=model.config.torch_dtype)
-        if fused:
-            assert model.forward_logits(*args, rows=rows, out=out, key_bound=10) is out
-        else:
-            model.logits(model.forward(*args, key_bound=10, rows=rows), out=out)
-        results.append(out)
-    assert torch.equal(*results)
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("sampled,launched", [(2, True), (3, False)])
-def test_the_head_is_planned_at_the_sampled_rows(dtype, sampled, launched, monkeypatch):
-    """10 tokens (the layers' 16-row entry: torch) sampling 2 rows take the head's 2-row entry,
-    Triton: one launch, agreeing with the torch head; 3 rows take the 16-row entry's torch head."""
-    launches = []
-    launch = gemv._launch
-    monkeypatch.setattr(gemv, "_launch", lambda *args, **kwargs: launches.append(1) or launch(*args, **kwargs))
-    rows = torch.tensor([9, 4, 0][:sampled], dtype=torch.int32)
-    results = []
-    for plan in (LinearPlan.fixed("torch"), LinearPlan({2: ALL_TORCH | {HEAD: "triton"}, 16: ALL_TORCH})):
-        model, args = head_case(dtype)
-        model.plan = plan
-        out = torch.empty(sampled, model.config.vocab_size, dtype=model.config.torch_dtype)
-        results.append(model.forward_logits(*args, rows=rows, out=out, key_bound=10))
-    assert len(launches) == launched
-    if launched:
-        assert_close_to(results[1], results[0], f"fused head {dtype}", ulps=2)
-    else:
-        assert torch.equal(*results)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("pending", [False, True], ids=["added", "pending"])
-def test_ops_head_on_either_backend(dtype, pending):
-    """The torch head is `final_norm` at the rows then the GEMM into out, bit for bit; the
-    Triton head (a CUDA-core and a tensor-core tiling) agrees with it."""
-    gen = torch.Generator().manual_seed(7)
-    stream, update = (torch.randn(20, 64, generator=gen).to(dtype) for _ in range(2))
-    norm_weight = torch.randn(64, generator=gen).to(dtype)
-    lm_head = (torch.randn(300, 64, generator=gen) / 8).to(dtype)
-    rows = torch.tensor([19, 3, 3, 0, 11])
-    update = update if pending else None
-    torch_ops = LinearPlan.fixed("torch").ops(5, 1e-5)
-    expected = torch_ops.final_norm(update, stream, norm_weight, rows) @ lm_head.T
-    out = torch.empty(5, 300, dtype=dtype)
-    assert torch_ops.head(update, stream, norm_weight, lm_head, rows, out) is out and torch.equal(out, expected)
-    for tiles in (gemv_tiles.Tiles(4, 4, 64, 4, True), gemv_tiles.Tiles(16, 32, 64, 4, False)):
-        ops = LinearPlan({8: ALL_TORCH | {HEAD: "triton"}}, tiles={8: {HEAD: tiles}}).ops(5, 1e-5)
-        got = ops.head(update, stream, norm_weight, lm_head, rows, torch.empty(5, 300, dtype=dtype))
-        assert_close_to(got, expected, f"triton head {dtype} {tiles}", ulps=2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -280,8 +195,7 @@ def gate_case(projection: str, rows: int = 20):
     positions = torch.arange(rows) % c.max_seq_len
     rotary = gemv.Rotary(model.rope_cos, model.rope_sin, positions, torch.zeros_like(positions),
                          model.kv_cache.keys[0], model.kv_cache.values[0], c.num_heads, c.num_kv_heads)
-    head = (model.final_norm, model.lm_head, torch.arange(rows))
-    inputs = (x, attn, act, rotary, head, c.rms_eps, gemv_tiles.SplitKWorkspace(rows, c.hidden_size, "cpu"), None)
+    inputs = (x, attn, act, rotary, c.rms_eps, gemv_tiles.SplitKWorkspace(rows, c.hidden_size, "cpu"), None)
     layer = model.layers[0]
     return layer, inputs, linear_plan._projection_output(projection, None, layer, *inputs)
 

@@ -1,7 +1,6 @@
 """capture.model.plan_file: a measured projection plan kept in a file is read back as the same
 plan (choices and tilings), measured once only, and a file from another GPU, model shape or
-bucket set, from before the LM head's entry, or one that is not a plan, is refused with the
-reason; `serve --kernel-plan`."""
+bucket set, or one that is not a plan, is refused with the reason; `serve --kernel-plan`."""
 
 from __future__ import annotations
 
@@ -13,16 +12,16 @@ import pytest
 from graphrelay.capture.iteration.engine import Engine, EngineConfig
 from graphrelay.capture.kernels import gemv_tiles
 from graphrelay.capture.model import plan_file
-from graphrelay.capture.model.linear_plan import HEAD, PROJECTIONS, LinearPlan
+from graphrelay.capture.model.linear_plan import PROJECTIONS, LinearPlan
 from graphrelay.capture.model.model import LlamaModel, ModelConfig
 from graphrelay.capture.serving.cli import serve_main
 
 TINY = ModelConfig.preset("tiny")
-MIXED = {"qkv": "triton", "o": "torch", "gate_up": "triton", "down": "triton", HEAD: "triton"}
+MIXED = {"qkv": "triton", "o": "torch", "gate_up": "triton", "down": "triton"}
 FMA, DOT = gemv_tiles.Tiles(2, 4, 64, 4, True), gemv_tiles.Tiles(16, 32, 64, 4, False)
 SWAPPED = gemv_tiles.Tiles(16, 64, 64, 4, False, early=True, swap=True)
 PLAN = LinearPlan({1: MIXED, 16: dict.fromkeys(PROJECTIONS, "torch")},
-                  tiles={1: {"qkv": FMA, "gate_up": SWAPPED, "down": DOT, HEAD: FMA}})
+                  tiles={1: {"qkv": FMA, "gate_up": SWAPPED, "down": DOT}})
 
 
 @pytest.fixture
@@ -50,7 +49,7 @@ def test_a_missing_file_is_measured_and_written_then_read_back_without_measuring
     assert record["gpu"] == "cpu" and record["rows"] == [1, 2, 16] and record["shape"]["layers"] == TINY.num_layers
     again = plan_file.load_or_measure(path, model, [1, 2, 16])
     assert measured == [[16, 1, 2]]  # not measured again
-    assert same_plan(again, PLAN) and again.tiles_for(1) == {"qkv": FMA, "gate_up": SWAPPED, "down": DOT, HEAD: FMA}
+    assert same_plan(again, PLAN) and again.tiles_for(1) == {"qkv": FMA, "gate_up": SWAPPED, "down": DOT}
     assert all(isinstance(tiles, gemv_tiles.Tiles) for tiles in again.tiles_for(1).values())
 
 
@@ -76,21 +75,6 @@ def test_a_plan_measured_elsewhere_is_refused_with_the_difference(tmp_path, meas
     with pytest.raises(ValueError, match=f"was measured for {what}.*delete this one"):
         plan_file.load_or_measure(path, model, [1, 2, 16])
     assert measured == [[1, 2, 16]]  # refused, not silently measured again
-
-
-def test_a_file_from_before_the_head_entry_is_refused_to_be_measured_again(tmp_path, measured):
-    """Such a file's shape names no vocab_size and its choices no head: a plain shape mismatch
-    would read as if the model had changed."""
-    path, model = tmp_path / "plan.json", LlamaModel(TINY, 2, "cpu")
-    plan_file.load_or_measure(path, model, [1, 16])
-    record = json.loads(path.read_text())
-    del record["shape"]["vocab_size"]
-    for backends in record["choices"].values():
-        del backends[HEAD]
-    path.write_text(json.dumps(record))
-    with pytest.raises(ValueError, match="from before the plan chose the LM head's backend.*delete it"):
-        plan_file.load_or_measure(path, model, [1, 16])
-    assert measured == [[1, 16]]
 
 
 def test_another_model_shape_is_refused(tmp_path, measured):

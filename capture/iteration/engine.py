@@ -201,8 +201,7 @@ class Engine:
         with self.activate():
             if plan is None:
                 # Projection backends per token bucket, timed on this GPU before anything is
-                # captured (only where a skinny GEMM can win; larger buckets keep cuBLAS). The
-                # LM head's entry is looked up by a bucket's sampled rows among the same sizes.
+                # captured (only where a skinny GEMM can win; larger buckets keep cuBLAS).
                 small = [b for b in self.runner.buckets if b <= SKINNY_ROWS]
                 plan = (LinearPlan.measured(self.model, small, stream=self.torch_stream) if plan_file is None
                         else load_or_measure(plan_file, self.model, small, stream=self.torch_stream))

@@ -141,11 +141,9 @@ class IterationStep:
         drafts = None
         if self.spec is not None:
             drafts = self._draft(v, R, slots, positions, base)
-        # The layers, then the final norm and the LM head at the sampled rows (one fused node
-        # where the start-up plan runs the head on Triton at g.rows rows).
-        logits = self.model.forward_logits(v.ids[:tokens], slots, positions, v.q_block_start, v.q_block_len,
-                                           g.q_block, rows=v.row_token, out=self.logits[: g.rows],
-                                           key_bound=self.key_bound, embedded=placed.embedded)
+        hidden = self.model.forward(v.ids[:tokens], slots, positions, v.q_block_start, v.q_block_len, g.q_block,
+                                    key_bound=self.key_bound, embedded=placed.embedded, rows=v.row_token)
+        logits = self.model.logits(hidden, out=self.logits[: g.rows])
 
         def per_row(t: torch.Tensor) -> torch.Tensor:
             return span_values_per_row(t, R, per)

@@ -12,10 +12,9 @@ projections and their neighbours into four nodes:
                                        # add + norm + gate/up + SiLU * up
     stream      = linear_residual(act, down_w, stream, out=stream)      # down + residual add
 
-and `norm_linear` is norm + projection alone; with `rows=` it reads only the rows an index
-names, as layer_kernels' rms_norm gathers them: the model's last norm and LM head over the rows
-that sample, in one node. `residual=` is needed only when the previous projection left its
-update pending, as the torch path does (`capture/model/linear_plan.py` chains either form).
+and `norm_linear` is norm + projection alone. `residual=` is needed only when the previous
+projection left its update pending, as the torch path does (`capture/model/linear_plan.py`
+chains either form).
 
 Weights stay as the model holds them, `[out, in]` row-major: a program owns BLOCK_N output
 features and reads their whole contiguous weight rows (wide vector loads) once. The gate/up
@@ -26,8 +25,8 @@ IEEE for float32 inputs); every rounding the unfused path does is done here too 
 Programmatic dependent launch (`pdl`, Hopper and later): before `gdc_wait` a CUDA-core tile
 loads its first (usually whole-K) weight tile into registers and a tensor-core tile asks L2 for
 its weight rows, so the fetch overlaps the previous kernel's tail; nothing an earlier kernel
-writes (x, the residual, a row index) is read, and nothing is written, before the wait. Each
-program then lets the next kernel launch. Off under the interpreter and on GPUs or Triton builds without it. The
+writes is read, and nothing is written, before the wait. Each program then lets the next
+kernel launch. Off under the interpreter and on GPUs or Triton builds without it. The
 tensor-core tiles' K loop is software-pipelined by Triton (`TC_STAGES` deep), x and weights
 alike. A swapped tile (`Tiles.swap`) runs the same loop as `w @ x.T`: the weight rows take the
 dot's M side, which Hopper's warpgroup MMA needs in steps of 64, however few the x rows. A
@@ -50,8 +49,7 @@ import triton
 import triton.language as tl
 
 from graphrelay.capture.kernels import layer_kernels as lk
-from graphrelay.capture.kernels.layer_kernels import (_check_rotary, _check_rows, _expect, _expect_2d,
-                                                      _pick_backend, _round_to)
+from graphrelay.capture.kernels.layer_kernels import _check_rotary, _expect, _expect_2d, _pick_backend, _round_to
 from graphrelay.capture.kernels.gemv_tiles import SplitKWorkspace, Tiles, check_tiles, default_tiles
 from graphrelay.capture.kernels.pdl import resolve_pdl
 
@@ -148,13 +146,12 @@ def _epilogue_inputs(add_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, rows, row64, 
     return base, pos, slot, cos_a, sin_a, cos_b, sin_b
 
 
-# The row counts and cache sizes vary by bucket and model: one compiled variant serves them all.
-@triton.jit(do_not_specialize=("M", "x_count", "table_rows", "cache_rows", "seq_len"))
+# The row count and cache sizes vary by bucket and model: one compiled variant serves them all.
+@triton.jit(do_not_specialize=("M", "table_rows", "cache_rows", "seq_len"))
 def _skinny_linear_kernel(
-    x_ptr,  # [x_count, K]: the input (NORM: the residual stream, or the pending update when HAS_RESIDUAL)
-    res_in_ptr,  # [x_count, K] residual stream added to x before the norm (HAS_RESIDUAL)
-    res_out_ptr,  # [M, K] receives x + res_in (HAS_RESIDUAL, not GATHER); must not alias either input
-    gather_ptr,  # GATHER: [M] int32/int64, the row of x (and res_in) each output row reads
+    x_ptr,  # [M, K]: the input (NORM: the residual stream, or the pending update when HAS_RESIDUAL)
+    res_in_ptr,  # [M, K] residual stream added to x before the norm (HAS_RESIDUAL)
+    res_out_ptr,  # [M, K] receives x + res_in (HAS_RESIDUAL); must not alias either input
     norm_w_ptr,  # [K] RMSNorm weight (NORM)
     w_ptr,  # [N, K]; [2 N, K] for SILU_MUL (gate rows, then up rows)
     add_ptr,  # [M, N] residual added to the projection (EPILOGUE_RESIDUAL); may alias out
@@ -168,7 +165,6 @@ def _skinny_linear_kernel(
     part_ptr,  # SPLIT_K > 1: float32 partial products, [output tiles, SPLIT_K, BLOCK_M, BLOCK_N]
     done_ptr,  # SPLIT_K > 1: int32 per output tile, its splits done (zero between calls)
     M,
-    x_count,  # x's rows: M, or with GATHER any count (x and res_in are [x_count, K])
     eps,
     table_rows,
     cache_rows,
@@ -180,7 +176,6 @@ def _skinny_linear_kernel(
     BLOCK_K: tl.constexpr,
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
-    GATHER: tl.constexpr,
     EPILOGUE: tl.constexpr,
     H: tl.constexpr,  # ROTARY: q heads, KV heads, head dim (N = (H + 2 KVH) D)
     KVH: tl.constexpr,
@@ -213,6 +208,8 @@ def _skinny_linear_kernel(
     ks = tl.arange(0, BLOCK_K)
     row_ok = rows[:, None] < M
     dtype = x_ptr.dtype.element_ty
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * K
+    res_rows = res_in_ptr + rows[:, None].to(tl.int64) * K
     w_a = w_ptr + col_a[:, None].to(tl.int64) * K
     w_b = w_ptr + col_b[:, None].to(tl.int64) * K
     w_ok = idx_ok[:, None]
@@ -241,16 +238,6 @@ def _skinny_linear_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
-    if GATHER:
-        # After the PDL wait, as x: an earlier kernel may write the index. As layer_kernels'
-        # rms_norm, an index outside x reads row 0 (that row's result is unspecified, never
-        # memory outside x).
-        src = tl.load(gather_ptr + rows, mask=rows < M, other=0).to(tl.int64)
-        src = tl.where((src >= 0) & (src < x_count), src, 0)
-    else:
-        src = rows.to(tl.int64)
-    x_rows = x_ptr + src[:, None] * K
-    res_rows = res_in_ptr + src[:, None] * K
     if EARLY and not (SETTLED and EPILOGUE == 3):
         # The epilogue inputs (residual tile; rotary positions, slots and table rows) do not
         # depend on the product: requested now, their latency hides under the dot instead of
@@ -271,12 +258,10 @@ def _skinny_linear_kernel(
             if HAS_RESIDUAL:
                 # The add in the model dtype, as torch's `x + residual`. One column of programs
                 # stores it; res_out is a fresh buffer, so no program reads a value another wrote.
-                # A gathered sum is not kept (as layer_kernels' rms_norm).
                 r = tl.load(res_rows + k0 + ks[None, :], mask=k_ok, other=0.0)
                 h = _round_to(h.to(tl.float32) + r.to(tl.float32), dtype)
-                if not GATHER:
-                    if pid_n == 0:
-                        tl.store(res_out_ptr + rows[:, None].to(tl.int64) * K + k0 + ks[None, :], h, mask=k_ok)
+                if pid_n == 0:
+                    tl.store(res_out_ptr + rows[:, None].to(tl.int64) * K + k0 + ks[None, :], h, mask=k_ok)
             hf = h.to(tl.float32)
             sum_sq += tl.sum(hf * hf, axis=1)
         # IEEE sqrt and divide, as layer_kernels' rms_norm (tl.rsqrt is approximate on the GPU).
@@ -383,9 +368,8 @@ def _skinny_linear_kernel(
 
 
 def _launch(x, weight, out, *, n, epilogue, pdl, norm_weight=None, eps=0.0, residual=None, residual_out=None,
-            add=None, rotary=None, tiles=None, workspace=None, rows=None):
-    k = x.shape[1]
-    m = x.shape[0] if rows is None else rows.shape[0]  # output rows (rows: x's rows to read, in order)
+            add=None, rotary=None, tiles=None, workspace=None):
+    m, k = x.shape
     if tiles is None:
         tiles = default_tiles(m, k)
     block_m, block_n, block_k, warps, fma, early, swap, split_k = check_tiles(tiles)
@@ -404,12 +388,11 @@ def _launch(x, weight, out, *, n, epilogue, pdl, norm_weight=None, eps=0.0, resi
     extra = {"launch_pdl": True} if pdl else {}
     _skinny_linear_kernel[(triton.cdiv(tile_cols, block_n), triton.cdiv(m, block_m), split_k)](
         x, x if residual is None else residual, x if residual_out is None else residual_out,
-        x if rows is None else rows, x if norm_weight is None else norm_weight, weight, out if add is None else add,
-        out, rot.cos, rot.sin, rot.positions, rot.slots, rot.k_cache, rot.v_cache, part, done,
-        m, x.shape[0], eps, rot.cos.shape[0], cache_rows, seq_len,
+        x if norm_weight is None else norm_weight, weight, out if add is None else add, out,
+        rot.cos, rot.sin, rot.positions, rot.slots, rot.k_cache, rot.v_cache, part, done,
+        m, eps, rot.cos.shape[0], cache_rows, seq_len,
         N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
-        HAS_RESIDUAL=residual is not None, GATHER=rows is not None, EPILOGUE=epilogue, H=rot.num_heads,
-        KVH=rot.num_kv_heads, D=d,
+        HAS_RESIDUAL=residual is not None, EPILOGUE=epilogue, H=rot.num_heads, KVH=rot.num_kv_heads, D=d,
         # NOTE: the interpreter multiplies bfloat16 dot operands as their raw uint16 bits: upcast there.
         DOT_F32=x.dtype == torch.float32 or not x.is_cuda, FMA=fma, EARLY=fma or early, SWAP=swap,
         SPLIT_K=split_k, K_STEPS=triton.cdiv(triton.cdiv(k, block_k), split_k), USE_PDL=pdl,
@@ -443,22 +426,20 @@ def _check_norm_inputs(what, x, norm_weight, weight, residual, residual_out, *, 
     return w_rows
 
 
-def _unfused_norm(x, norm_weight, eps, residual, residual_out, rows=None):
-    """layer_kernels' norm node: (normed, x + residual or None); with rows, of those rows alone
-    and no sum kept."""
-    if residual is None or rows is not None:
-        return lk.rms_norm(x, norm_weight, eps, residual=residual, rows=rows), None
+def _unfused_norm(x, norm_weight, eps, residual, residual_out):
+    """layer_kernels' norm node: (normed, x + residual or None)."""
+    if residual is None:
+        return lk.rms_norm(x, norm_weight, eps), None
     return lk.rms_norm(x, norm_weight, eps, residual=residual, residual_out=residual_out)
 
 
 def _fused_norm_launch(x, norm_weight, weight, eps, residual, residual_out, out, *, n, epilogue, pdl, tiles,
-                       rotary=None, rows=None):
-    keeps_sum = residual is not None and rows is None
-    if keeps_sum and residual_out is None:
+                       rotary=None):
+    if residual is not None and residual_out is None:
         residual_out = torch.empty_like(x)
     _launch(x, weight, out, n=n, epilogue=epilogue, pdl=resolve_pdl(pdl, x), norm_weight=norm_weight, eps=eps,
-            residual=residual, residual_out=residual_out, rotary=rotary, tiles=tiles, rows=rows)
-    return (out, residual_out) if keeps_sum else out
+            residual=residual, residual_out=residual_out, rotary=rotary, tiles=tiles)
+    return out if residual is None else (out, residual_out)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -474,7 +455,6 @@ def norm_linear(
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
-    rows: torch.Tensor | None = None,
     backend: str | None = None,
     pdl: bool | None = None,
     tiles: Tiles | None = None,
@@ -486,24 +466,17 @@ def norm_linear(
     followed by the matmul. `out` `[m, n]` / `residual_out` `[m, k]` receive the results;
     residual_out may not alias x or residual. pdl: see the module docstring (None: auto).
     tiles: the launch's tiling (None: `default_tiles`); it changes the sum order only.
-
-    rows `[r]` int32/int64 (each in 0..m-1): only those rows of x (+ residual), in that order,
-    as `layer_kernels.rms_norm(..., rows=rows)` gathers them: returns `[r, n]` (into `out`)
-    alone, no sum kept (no residual_out). The model's LM head over the rows that sample.
     """
     n = _check_norm_inputs("norm_linear", x, norm_weight, weight, residual, residual_out)
-    if rows is not None:
-        _check_rows("norm_linear", rows, x.device, residual_out)
-    out_rows = x.shape[0] if rows is None else rows.shape[0]
     if out is not None:
-        _expect("norm_linear out", out, (out_rows, n), (x.dtype,), x.device)
+        _expect("norm_linear out", out, (x.shape[0], n), (x.dtype,), x.device)
     if _pick_backend(backend, x) == "torch":
-        h, total = _unfused_norm(x, norm_weight, eps, residual, residual_out, rows)
+        h, total = _unfused_norm(x, norm_weight, eps, residual, residual_out)
         y = torch.matmul(h, weight.T, out=out)
-        return y if total is None else (y, total)
-    out = x.new_empty(out_rows, n) if out is None else out
+        return y if residual is None else (y, total)
+    out = x.new_empty(x.shape[0], n) if out is None else out
     return _fused_norm_launch(x, norm_weight, weight, eps, residual, residual_out, out, n=n,
-                              epilogue=EPILOGUE_NONE, pdl=pdl, tiles=tiles, rows=rows)
+                              epilogue=EPILOGUE_NONE, pdl=pdl, tiles=tiles)
 
 
 def norm_gate_up_silu(

@@ -259,7 +259,11 @@ def rms_norm(
     _expect("rms_norm x", x, shape, dtypes, x.device)
     _expect("rms_norm weight", weight, (hidden,), dtypes, x.device)
     if rows is not None:
-        _check_rows("rms_norm", rows, x.device, residual_out)
+        if rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64) or rows.device != x.device:
+            raise ValueError(f"rms_norm rows must be a 1-d int32/int64 tensor on {x.device}, got {rows.dtype} "
+                             f"{tuple(rows.shape)} on {rows.device}")
+        if residual_out is not None:
+            raise ValueError("rms_norm with rows keeps no residual_out (the gathered sum is not written); drop it")
     out_shape = shape if rows is None else (rows.shape[0], hidden)
     for name, t, want in (("residual", residual, shape), ("out", out, out_shape), ("residual_out", residual_out, shape)):
         if t is not None:
@@ -284,20 +288,6 @@ def rms_norm(
         num_warps=_num_warps(block),
     )
     return out if residual is None or rows is not None else (out, residual_out)
-
-
-def _check_rows(what: str, rows: object, device: torch.device, residual_out: torch.Tensor | None) -> None:
-    """A gather index: 1-d int32/int64 on `device`, contiguous (the kernels read it as
-    `ptr + i`), with no residual_out beside it."""
-    if not (isinstance(rows, torch.Tensor) and rows.dim() == 1 and rows.dtype in (torch.int32, torch.int64)
-            and rows.device == device):
-        got = (f"{rows.dtype} {tuple(rows.shape)} on {rows.device}" if isinstance(rows, torch.Tensor)
-               else type(rows).__name__)
-        raise ValueError(f"{what} rows must be a 1-d int32/int64 tensor on {device}, got {got}")
-    if not rows.is_contiguous():
-        raise ValueError(f"{what} rows must be contiguous, got stride {rows.stride()}; pass .contiguous()")
-    if residual_out is not None:
-        raise ValueError(f"{what} with rows keeps no residual_out (the gathered sum is not written); drop it")
 
 
 def _rms_norm_torch(x, weight, eps, residual, out, residual_out):

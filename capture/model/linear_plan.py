@@ -1,12 +1,11 @@
-"""Which backend runs each projection of the layer stack, and the LM head, per row count: chosen
-by measurement.
+"""Which backend runs each projection of the layer stack, per row count: chosen by measurement.
 
 Per projection there are two ways to run it (`capture.kernels.gemv`):
 - "torch": today's unfused nodes, a cuBLAS GEMM between layer_kernels' norm and SiLU*up;
   an O / down projection leaves its output pending and the next norm adds it in.
 - "triton": one fused skinny-GEMM node (norm + QKV + rotary + K/V append, O + residual add,
-  norm + gate/up + SiLU*up, down + residual add; the final norm + LM head over the sampled
-  rows), launched with programmatic dependent launch where the GPU has it.
+  norm + gate/up + SiLU*up, down + residual add), launched with programmatic dependent launch
+  where the GPU has it.
 Which wins depends on the row count (a GEMV at 1 row, a real GEMM at 256) and on the GPU,
 so `LinearPlan.measured` times both inside small CUDA graphs at start-up, before the step is
 captured, and keeps the faster per (row count, projection). "triton" is timed in a few tilings
@@ -23,10 +22,6 @@ The layer stack threads the residual `stream` and a pending `update` (None once 
         act, stream = ops.gate_up(update, stream, layer)
         update, stream = ops.down(act, stream, layer)
     hidden = ops.final_norm(update, stream, final_norm)  # or final_norm(..., rows): those rows only
-    logits = head_ops.head(update, stream, final_norm, lm_head, rows, out)  # instead: + the LM head
-
-The LM head runs over the rows that sample, not the tokens (a prompt bucket samples fewer), so
-its entry is looked up by that row count: `head_ops = plan.ops(len(rows), eps)`.
 
 Every combination of backends computes the same values as the all-torch stack up to the
 order of float32 sums; all-torch is op for op what the model ran before the plan existed.
@@ -50,9 +45,7 @@ from graphrelay.capture.kernels import layer_kernels as kernels
 if TYPE_CHECKING:
     from graphrelay.capture.model.model import LayerWeights, LlamaModel
 
-LAYER_PROJECTIONS = ("qkv", "o", "gate_up", "down")
-HEAD = "lm_head"  # the final norm + LM head over the sampled rows (LayerOps.head)
-PROJECTIONS = (*LAYER_PROJECTIONS, HEAD)  # what a plan picks a backend for at each row count
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
 BACKENDS = ("torch", "triton")
 # Engines time the row counts up to this (their buckets this small); above, a 64-row tile
 # re-reads the weights often enough that cuBLAS wins every projection (at 256 rows Triton still
@@ -119,14 +112,6 @@ class LayerOps:
             return kernels.rms_norm(update, weight, self.eps, residual=stream, rows=rows)
         return kernels.rms_norm(update, weight, self.eps, residual=stream)[0]
 
-    def head(self, update, stream, norm_weight: torch.Tensor, lm_head: torch.Tensor, rows: torch.Tensor,
-             out: torch.Tensor) -> torch.Tensor:
-        """The last norm of `rows` alone and the LM head, into `out` `[len(rows), vocab]` (the
-        model's dtype): torch, `final_norm`'s node then a cuBLAS GEMM; triton, one fused launch."""
-        x, residual = (stream, None) if update is None else (update, stream)
-        return gemv.norm_linear(x, norm_weight, lm_head, self.eps, residual=residual, rows=rows, out=out,
-                                backend=self.backends[HEAD], pdl=self.pdl, tiles=self.tiles.get(HEAD))
-
     def _norm_projection(self, fused, projection, update, stream, norm_weight, weight, *extra):
         options = dict(backend=self.backends[projection], pdl=self.pdl, tiles=self.tiles.get(projection))
         if update is None:
@@ -148,8 +133,7 @@ class LinearPlan:
     """Backend per projection for each measured row count.
 
     choices: row count -> projection -> backend. A call with `rows` rows uses the smallest
-    measured row count >= rows (buckets pad up to it); beyond the largest, `default`. The
-    layers' rows are a bucket's tokens, the head's its sampled rows (see the module docstring).
+    measured row count >= rows (buckets pad up to it); beyond the largest, `default`.
     tiles: row count -> projection -> the tiling of a "triton" choice (missing: the default).
     pdl: passed to the Triton kernels (None: on where the GPU supports it).
     """
@@ -234,18 +218,16 @@ def model_shape(model: "LlamaModel") -> dict[str, int | str]:
     c = model.shard
     return {"hidden_size": c.hidden_size, "num_heads": c.num_heads, "num_kv_heads": c.num_kv_heads,
             "head_dim": c.head_dim, "intermediate_size": c.intermediate_size, "dtype": c.dtype,
-            "layers": len(model.layers), "vocab_size": c.vocab_size}
+            "layers": len(model.layers)}
 
 
 # ----------------------------------------------------------------------------------------------
 # Measurement
 
 
-def candidate_tiles(rows: int, k: int, split: bool = False, wide: bool = False) -> list[Tiles]:
+def candidate_tiles(rows: int, k: int, split: bool = False) -> list[Tiles]:
     """The Triton tilings start-up timing tries for a projection of `rows` rows and K = k
-    (split: an O or down projection, which split-K tilings can serve; wide: the LM head, whose
-    vocabulary-wide output gives one-row tiles of 2-4 features 12k-25k programs, each of which
-    normalizes its row again, so at one row it also tries 8 and 16 features a program).
+    (split: an O or down projection, which split-K tilings can serve).
 
     A few per regime, so start-up compiles few variants: the winners of sweeps on the H200
     (SmolLM2-135M's four projections, 30 layers' weights in one graph; 1-256 rows,
@@ -267,8 +249,7 @@ def candidate_tiles(rows: int, k: int, split: bool = False, wide: bool = False) 
     whole_k = min(triton.next_power_of_2(k), FMA_MAX_K)
     if rows <= 4:
         m = triton.next_power_of_2(rows)
-        wider = [Tiles(1, 8, whole_k, 4, True), Tiles(1, 16, whole_k, 8, True)] if wide and rows == 1 else []
-        return [Tiles(m, 2, whole_k, 8, True), Tiles(m, 4, whole_k, 4, True)] + wider
+        return [Tiles(m, 2, whole_k, 8, True), Tiles(m, 4, whole_k, 4, True)]
     swapped = Tiles(16, 64, 64, 4, False, swap=True)
     if rows <= 16:
         tiles = [Tiles(4, 2, whole_k, 8, True), Tiles(4, 4, whole_k, 4, True),
@@ -297,11 +278,8 @@ def time_projections(model: "LlamaModel", sizes: Sequence[int], *, stream: torch
     weights come from memory as in the step rather than hot in L2. Each backend runs the form
     a chain of its own calls takes: torch with a pending update to add (its add + norm node),
     Triton without. The QKV projection includes the rotary and K/V append, into padding slot
-    0's cache rows. The LM head samples every row, in order; its CHAIN calls reuse its one
-    weight, which at a real vocabulary is larger than L2 (SmolLM2-135M's: 56 MB), so it
-    streams from memory as in the step. A tiling that fails to compile on this GPU, or whose
-    output disagrees with the unfused path's (`AGREEMENT`), is not a choice: skipped with a
-    warning naming it."""
+    0's cache rows. A tiling that fails to compile on this GPU, or whose output disagrees with
+    the unfused path's (`AGREEMENT`), is not a choice: skipped with a warning naming it."""
     if model.device.type != "cuda":
         raise ValueError(f"time_projections needs a CUDA model, got one on {model.device}")
     bad = [s for s in sizes if not isinstance(s, int) or s < 1]
@@ -327,14 +305,12 @@ def time_projections(model: "LlamaModel", sizes: Sequence[int], *, stream: torch
             positions = torch.arange(rows, device=model.device) % c.max_seq_len
             rotary = gemv.Rotary(model.rope_cos, model.rope_sin, positions, torch.zeros_like(positions),
                                  model.kv_cache.keys[0], model.kv_cache.values[0], c.num_heads, c.num_kv_heads)
-            head = (model.final_norm, model.lm_head, torch.arange(rows, device=model.device))
-            logits = torch.empty(rows, c.vocab_size, dtype=c.torch_dtype, device=model.device)
             for projection in PROJECTIONS:
                 k = {"o": c.num_heads * c.head_dim, "down": c.intermediate_size}.get(projection, c.hidden_size)
-                tilings = candidate_tiles(rows, k, split=projection in SPLIT_PROJECTIONS, wide=projection == HEAD)
+                tilings = candidate_tiles(rows, k, split=projection in SPLIT_PROJECTIONS)
                 variants = [("torch", None)] + [("triton", t) for t in tilings]
                 # The gate's own copy of the stream: the timed O / down calls update stream_x in place.
-                inputs = (gate_stream, attn, act, rotary, head, c.rms_eps, workspace, pdl)
+                inputs = (gate_stream, attn, act, rotary, c.rms_eps, workspace, pdl)
                 reference = _projection_output(projection, None, layers[0], *inputs)
                 times = []
                 for backend, tiles in variants:
@@ -349,7 +325,6 @@ def time_projections(model: "LlamaModel", sizes: Sequence[int], *, stream: torch
                         "o": lambda layer: ops.o(attn, stream_x, layer),
                         "gate_up": lambda layer: ops.gate_up(pending, stream_x, layer),
                         "down": lambda layer: ops.down(act, stream_x, layer),
-                        HEAD: lambda layer: ops.head(pending, stream_x, *head, logits),
                     }[projection]
                     times.append(_graph_us(call, layers, stream, flush))
                 best = min(range(1, len(variants)), key=times.__getitem__)
@@ -357,15 +332,11 @@ def time_projections(model: "LlamaModel", sizes: Sequence[int], *, stream: torch
     return timings
 
 
-def _projection_output(projection: str, tiles: Tiles | None, layer: "LayerWeights", x, attn, act, rotary, head,
+def _projection_output(projection: str, tiles: Tiles | None, layer: "LayerWeights", x, attn, act, rotary,
                        eps: float, workspace: SplitKWorkspace, pdl: bool | None) -> torch.Tensor:
     """One projection's fused output on the same inputs for either path: the unfused torch
-    path (tiles None) or the Triton kernel in `tiles`; O and down out of place. head: the
-    final norm's weight, the LM head and the rows it samples."""
+    path (tiles None) or the Triton kernel in `tiles`; O and down out of place."""
     options = dict(backend="torch") if tiles is None else dict(backend="triton", tiles=tiles, pdl=pdl)
-    if projection == HEAD:
-        norm_weight, weight, rows = head
-        return gemv.norm_linear(x, norm_weight, weight, eps, rows=rows, **options)
     if projection == "qkv":
         return gemv.norm_qkv_rotary(x, layer.attn_norm, layer.qkv, eps, rotary, **options)
     if projection == "gate_up":

@@ -8,9 +8,8 @@ the rest in fused kernels on CUDA with torch twins on the CPU: `capture.kernels`
 fixed-shape in T, no host syncs: it is what the engine captures per token bucket. Token t
 writes its K/V at `[slots[t], positions[t]]` and attends that slot's positions
 0..positions[t] through the varlen kernel, so a span is causal inside and sees its whole cached
-prefix. `logits` runs the LM head over the rows that sample; `forward_logits` is `forward` then
-`logits` with the final norm and the LM head fused where the plan says so (the engine's step
-runs it). `prefill` and `decode` are eager conveniences over `forward` (tests, references).
+prefix. `logits` runs the LM head over the rows that sample. `prefill` and `decode` are eager
+conveniences over `forward` (tests, references).
 
 Slot 0 is the padding slot: padding tokens (slot 0, any in-range position) only touch cache
 row 0.
@@ -356,24 +355,7 @@ class LlamaModel:
         embedded: `embed[ids]` [T, hidden] gathered already (the engine's fused prologue); the
         layers then update it in place as their residual stream.
         """
-        attend = self._varlen_attend(slots, positions, q_block_start, q_block_len, q_block, key_bound)
-        return self._forward(ids, slots, positions, attend, embedded, rows)
-
-    @torch.no_grad()
-    def forward_logits(
-        self, ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-        q_block_start: torch.Tensor, q_block_len: torch.Tensor, q_block: int = Q_BLOCK, *,
-        rows: torch.Tensor, out: torch.Tensor, key_bound: int | None = None, embedded: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """`logits(forward(..., rows=rows), out)` for `out` [m, vocab] in the model's dtype: the
-        final norm and the LM head in one fused node where the plan runs the head on Triton at
-        m sampled rows (`LayerOps.head`), else today's two. Returns `out`; arguments as `forward`."""
-        attend = self._varlen_attend(slots, positions, q_block_start, q_block_len, q_block, key_bound)
-        return self._forward(ids, slots, positions, attend, embedded, rows, logits_out=out)
-
-    def _varlen_attend(self, slots, positions, q_block_start, q_block_len, q_block: int,
-                       key_bound: int | None) -> Callable[[int, torch.Tensor], torch.Tensor]:
-        """`forward`'s attention over the cache, as `_forward` calls it per layer."""
+        c = self.shard
         max_len = key_bound if self.device.type == "cpu" else None
 
         def attend(index: int, q: torch.Tensor) -> torch.Tensor:  # q [T, h, d]
@@ -385,7 +367,7 @@ class LlamaModel:
                 metadata_settled=True,
             )
 
-        return attend
+        return self._forward(ids, slots, positions, attend, embedded, rows)
 
     def _attention_out(self, tokens: int) -> torch.Tensor:
         """[tokens, heads * head_dim] for attention to write: the static buffer when it is large
@@ -486,13 +468,12 @@ class LlamaModel:
         attend: Callable[[int, torch.Tensor], torch.Tensor],
         embedded: torch.Tensor | None = None,
         rows: torch.Tensor | None = None,
-        logits_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run all layers for n query rows; row i sits at `positions[i]` of slot `slots[i]`.
 
         attend(layer, q [n, h, d]) -> [n, h * d] attends over the cache after this step's K/V
         were written. Returns the final-normed hidden [n, hidden] (rows: of those rows only,
-        [m, hidden]), or with `logits_out` the LM head's [m, vocab] in it. Per layer, with every
+        [m, hidden]). Per layer, with every
         projection on torch (`self.plan`): add + norm, QKV GEMM, rotary + cache write,
         attention, O GEMM, add + norm, gate/up GEMM, SiLU-mul, down GEMM (an O / down output
         stays pending until the next norm adds it); with every projection on Triton: norm +
@@ -511,11 +492,7 @@ class LlamaModel:
             update, stream = ops.o(attend(index, q), stream, layer)
             act, stream = ops.gate_up(update, stream, layer)
             update, stream = ops.down(act, stream, layer)
-        if logits_out is None:
-            return ops.final_norm(update, stream, self.final_norm, rows)
-        # The head's backend is planned at the rows that sample, not at the tokens.
-        head_ops = self.plan.ops(rows.shape[0], c.rms_eps)
-        return head_ops.head(update, stream, self.final_norm, self.lm_head, rows, logits_out)
+        return ops.final_norm(update, stream, self.final_norm, rows)
 
     def _all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Under tensor parallelism each rank's O / down projection is a partial sum."""

@@ -7,9 +7,7 @@ float32 sums: bf16 greedy text can then differ between two starts of one server 
 near-tie flips). A plan file pins the choice: `Engine.capture(plan_file=PATH)` (`serve
 --kernel-plan PATH`) reads it when it exists, else measures and writes it there. The file
 names the GPU, the model shape and the row counts it was measured for; one from another GPU,
-model or bucket set is an error that says so, never a silent re-measure. So is one written
-before the plan chose the LM head's backend (its shape names no vocab_size): it is measured
-again once deleted.
+model or bucket set is an error that says so, never a silent re-measure.
 """
 
 from __future__ import annotations
@@ -64,9 +62,6 @@ def load_plan(path: Path, model: "LlamaModel", rows: Sequence[int]) -> LinearPla
     except msgspec.DecodeError as exc:  # ValidationError included
         raise ValueError(f"kernel plan {path} is not a plan file ({exc}); delete it and the next start "
                          f"measures and writes a new one") from None
-    if "vocab_size" not in record.shape:
-        raise ValueError(f"kernel plan {path} is from before the plan chose the LM head's backend (the fused final "
-                         f"norm + LM head); delete it and the next start measures and writes a new one")
     ours = {"GPU": device_name(model.device), "model shape": model_shape(model), "row counts": sorted(set(rows))}
     theirs = {"GPU": record.gpu, "model shape": record.shape, "row counts": record.rows}
     for what, value in ours.items():

@@ -1,8 +1,8 @@
 """capture.kernels.gemv and capture.model.linear_plan on CUDA at SmolLM2-135M's shape in bf16:
 each fused kernel against the unfused path (layer_kernels' norm / SiLU kernels around cuBLAS)
-for 1, 8 and 64 rows, the final norm + LM head over gathered rows included; programmatic
-dependent launch on (Hopper) changing no bit; and a captured decode forward under an all-Triton
-and a measured plan replaying exactly what it does eagerly. Tolerances as in tests/test_gemv.py.
+for 1, 8 and 64 rows; programmatic dependent launch on (Hopper) changing no bit; and a captured
+decode forward under an all-Triton and a measured plan replaying exactly what it does eagerly.
+Tolerances as in tests/test_gemv.py.
 """
 
 from __future__ import annotations
@@ -18,12 +18,11 @@ import torch
 from graphrelay.capture.iteration.engine import Engine, EngineConfig
 from graphrelay.capture.kernels import gemv, gemv_tiles
 from graphrelay.capture.kernels.pdl import pdl_supported
-from graphrelay.capture.kernels.q_blocks import q_blocks
 from graphrelay.capture.model.linear_plan import BACKENDS, PROJECTIONS, LinearPlan, candidate_tiles, time_projections
 from graphrelay.capture.model.model import LlamaModel, ModelConfig
 from graphrelay.tools.bench import bench_main
 from test_gemv import (check_early_equals_late, check_linear_residual, check_norm_gate_up_silu, check_norm_linear,
-                       check_norm_linear_rows, check_norm_qkv_rotary, inputs)
+                       check_norm_qkv_rotary, inputs)
 from test_layer_kernels import EPS, SMOL, rotary_case
 
 pytestmark = pytest.mark.gpu
@@ -31,7 +30,6 @@ pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
 BF16 = torch.bfloat16
 QKV_WIDTH = (SMOL.heads + 2 * SMOL.kv_heads) * SMOL.head_dim
-VOCAB = ModelConfig.preset("smollm2-135m").vocab_size
 ROWS = pytest.mark.parametrize("rows", [1, 8, 64])
 RESIDUAL = pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
 
@@ -66,43 +64,18 @@ def test_down_residual(rows):
     check_linear_residual(DEVICE, BF16, rows, SMOL.inter, SMOL.hidden)
 
 
-def sampled_rows(rows: int) -> list[int]:
-    """The LM head's gather: `rows` of 2 * rows + 3 tokens, every other one in reverse, the last
-    repeating the first."""
-    index = list(range(2 * rows + 2, 0, -2))[:rows]
-    return index[:-1] + index[:1] if rows > 1 else index
-
-
-@ROWS
-@RESIDUAL
-def test_norm_lm_head_of_gathered_rows(rows, with_residual):
-    check_norm_linear_rows(DEVICE, BF16, 2 * rows + 3, SMOL.hidden, VOCAB, sampled_rows(rows),
-                           with_residual=with_residual)
-
-
-@pytest.mark.parametrize("rows", [1, 4])
-def test_every_lm_head_tiling_at_smollm2_vocab(rows):
-    """Each tiling the start-up plan may time for the head (the wide one-row tiles included)
-    compiles here and gathers the rows as the unfused path does."""
-    for tiles in candidate_tiles(rows, SMOL.hidden, wide=True):
-        check_norm_linear_rows(DEVICE, BF16, 2 * rows + 3, SMOL.hidden, VOCAB, sampled_rows(rows),
-                               with_residual=True, tiles=tiles)
-
-
 def test_pdl_is_on_for_hopper_and_changes_no_bit():
     device = torch.device(DEVICE)
     t = inputs(DEVICE, BF16, 8, SMOL.hidden, SMOL.hidden, seed=1)
 
     case = rotary_case(SMOL, 8, dtype=BF16, device=DEVICE, cache_rows=4, seq_len=16)
     qkv_weight = inputs(DEVICE, BF16, 8, SMOL.hidden, QKV_WIDTH, seed=2)["weight"]
-    gather = torch.tensor([7, 0, 3], device=DEVICE)
 
     def run(pdl: bool) -> list[torch.Tensor]:
         rotary = gemv.Rotary(case.cos, case.sin, case.positions, case.slots, case.k_cache.clone(),
                              case.v_cache.clone(), SMOL.heads, SMOL.kv_heads)
         return [
             gemv.norm_linear(t["x"], t["norm_weight"], t["weight"], EPS, residual=t["residual"], pdl=pdl)[0],
-            gemv.norm_linear(t["x"], t["norm_weight"], t["weight"], EPS, residual=t["residual"], rows=gather, pdl=pdl),
             gemv.norm_gate_up_silu(t["x"], t["norm_weight"], t["gate_up"], EPS, pdl=pdl),
             gemv.linear_residual(t["x"], t["weight"], t["stream"], pdl=pdl),
             gemv.norm_qkv_rotary(t["x"], t["norm_weight"], qkv_weight, EPS, rotary, pdl=pdl),
@@ -120,7 +93,7 @@ def test_pdl_is_on_for_hopper_and_changes_no_bit():
 
 
 # ----------------------------------------------------------------------------------------------
-# A captured decode forward, and a captured fused head
+# A captured decode forward
 
 
 def smol_model(layers: int = 4) -> LlamaModel:
@@ -189,32 +162,6 @@ def test_captured_decode_replays_eager_bit_for_bit(plan_kind):
         assert not torch.equal(replayed[1], before[0]), "the replay wrote no K"
 
 
-def test_captured_fused_head_replays_eager_bit_for_bit():
-    """The layers, then the final norm + LM head in one Triton launch (PDL on Hopper) at 8
-    sampled rows of a 12-token prompt, captured once: each replay after the sampled rows change
-    leaves the logits exactly as the eager call does."""
-    model = smol_model()
-    model.plan = LinearPlan.fixed("triton")
-    tokens = 12
-    gen = torch.Generator().manual_seed(0)
-    blocks = (torch.tensor(t, dtype=torch.int32, device=DEVICE) for t in q_blocks([tokens], [0]))
-    args = (torch.randint(0, 4096, (tokens,), generator=gen).to(DEVICE), torch.ones(tokens, dtype=torch.int64,
-            device=DEVICE), torch.arange(tokens, device=DEVICE), *blocks)
-    rows = torch.zeros(8, dtype=torch.int64, device=DEVICE)
-    out = torch.empty(8, VOCAB, dtype=BF16, device=DEVICE)
-    model.forward_logits(*args, rows=rows, out=out)  # compiles every kernel outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        model.forward_logits(*args, rows=rows, out=out)
-    for step in range(3):
-        rows.copy_(torch.randint(0, tokens, (8,), generator=gen))
-        graph.replay()
-        replayed = out.clone()
-        model.forward_logits(*args, rows=rows, out=out)
-        assert torch.equal(replayed, out), f"step {step}: the replayed logits differ from the eager ones"
-
-
 def test_bench_kernels_smoke_writes_every_row(tmp_path):
     assert bench_main(["kernels", "--smoke", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "kernels_bench.json").read_text())
@@ -263,14 +210,11 @@ def test_early_epilogue_tiles_change_no_bit(rows):
 @pytest.mark.parametrize("rows", [8, 40, 256])
 def test_every_candidate_tiling_equals_unfused_at_smollm2_shape(rows):
     """Each tiling the start-up plan may pick (swapped, early and split-K ones included) compiles
-    on this GPU and computes each projection, and the LM head over gathered rows, as the unfused
-    path does."""
+    on this GPU and computes each projection as the unfused path does."""
     for tiles in candidate_tiles(rows, SMOL.hidden):
         check_norm_qkv_rotary(DEVICE, BF16, rows, SMOL.hidden, SMOL, with_residual=False, cache_rows=9, seq_len=64,
                               tiles=tiles)
         check_norm_gate_up_silu(DEVICE, BF16, rows, SMOL.hidden, SMOL.inter, with_residual=True, tiles=tiles)
-        check_norm_linear_rows(DEVICE, BF16, 2 * rows + 3, SMOL.hidden, VOCAB, sampled_rows(rows), with_residual=True,
-                               tiles=tiles)
     for k in (SMOL.heads * SMOL.head_dim, SMOL.inter):  # O, down
         for tiles in candidate_tiles(rows, k, split=True):
             check_linear_residual(DEVICE, BF16, rows, k, SMOL.hidden, tiles=tiles)

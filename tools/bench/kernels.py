@@ -1,14 +1,13 @@
 """`graphrelay bench kernels`: each layer projection's GPU time, fused Triton against cuBLAS.
 
 For each row count, the four projections of a layer (norm + QKV, O + residual, norm +
-gate/up + SiLU*up, down + residual) and the final norm + LM head over that many sampled rows
-are timed as `capture.model.linear_plan` times them at an engine's start-up (16 calls on
-successive layers' weights in one CUDA graph, L2 evicted before each of 5 replays, the median
-kept): the torch path (cuBLAS between layer_kernels' norm / SiLU nodes) and the fused Triton
-kernel in its fastest candidate tiling, with programmatic dependent launch where the GPU has
-it, and without. Random weights of the model preset's shape (SmolLM2-135M by default), bf16.
-Prints a table and the per-layer sums (the head apart) of each path and of the plan that keeps
-the faster, and writes kernels_bench.json to --out.
+gate/up + SiLU*up, down + residual) are timed as `capture.model.linear_plan` times them at
+an engine's start-up (16 calls on successive layers' weights in one CUDA graph, L2 evicted
+before each of 5 replays, the median kept): the torch path (cuBLAS between layer_kernels'
+norm / SiLU nodes) and the fused Triton kernel in its fastest candidate tiling, with
+programmatic dependent launch where the GPU has it, and without. Random weights of the
+model preset's shape (SmolLM2-135M by default), bf16. Prints a table and the per-layer sums of each path and
+of the plan that keeps the faster, and writes kernels_bench.json to --out.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import msgspec
 import torch
 
 from graphrelay.capture.kernels.pdl import pdl_supported
-from graphrelay.capture.model.linear_plan import LAYER_PROJECTIONS, PROJECTIONS, time_projections
+from graphrelay.capture.model.linear_plan import PROJECTIONS, time_projections
 from graphrelay.capture.model.model import MODEL_PRESETS, LlamaModel, ModelConfig
 from graphrelay.tools.bench import options, results
 
@@ -71,7 +70,7 @@ def run(config: ModelConfig, rows: list[int], command: list[str], out, *, smoke:
                       "tiles": None if t.tiles is None else t.tiles._asdict()})
     per_layer = []
     for r in rows:
-        entries = [e for e in table if e["rows"] == r and e["projection"] in LAYER_PROJECTIONS]
+        entries = [e for e in table if e["rows"] == r]
         per_layer.append({"rows": r, **{key: sum(e[key] for e in entries)
                                         for key in ("torch_us", "triton_us", "triton_no_pdl_us")},
                           "plan_us": sum(min(e["torch_us"], e["triton_us"]) for e in entries)})
