@@ -187,7 +187,7 @@ def _skinny_linear_kernel(
     SPLIT_K: tl.constexpr,  # programs per output tile, each over K_STEPS of the K steps (Tiles.split_k)
     K_STEPS: tl.constexpr,
     USE_PDL: tl.constexpr,
-    SETTLED: tl.constexpr,  # ROTARY: positions and slots settled (Rotary.settled), read before the PDL wait
+    SETTLED: tl.constexpr,  # ROTARY only: positions and slots settled (Rotary.settled), read before the PDL wait
     LINE: tl.constexpr,  # weight elements per 128-byte line
     LINES: tl.constexpr,  # next power of two >= the lines of one weight row
 ):
@@ -222,7 +222,7 @@ def _skinny_linear_kernel(
             wb = tl.load(w_b + ks[None, :], mask=w_ok & (ks[None, :] < K), other=0.0)
     out_ok = row_ok & idx_ok[None, :]
     row64 = rows[:, None].to(tl.int64)
-    if EARLY and SETTLED and EPILOGUE == 3:
+    if EARLY and SETTLED:
         # Positions and slots from two or more launches back, past L1 (".cg"), and the rotary
         # table rows they pick (constant): the chain of two dependent loads runs under the
         # previous kernel's tail instead of after the wait.
@@ -238,7 +238,7 @@ def _skinny_linear_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
-    if EARLY and not (SETTLED and EPILOGUE == 3):
+    if EARLY and not SETTLED:
         # The epilogue inputs (residual tile; rotary positions, slots and table rows) do not
         # depend on the product: requested now, their latency hides under the dot instead of
         # following it (one row at a time, the kernel is a chain of memory latencies). Held
