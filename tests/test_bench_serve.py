@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from bench_cases import assert_needs_gpu, assert_usage_error
+from graphrelay.capture.iteration.engine import DEFAULT_MAX_TOKENS
 from graphrelay.tools.bench import bench_main
 from graphrelay.tools.bench.serve import SMOKE, rate_list
 from graphrelay.tools.bench.serve_metrics import Timing, highest_rate_within, summarize
@@ -75,6 +76,19 @@ def test_smoke_sweep_in_process_serves_every_request_exactly(tmp_path, capsys):
     assert [t["name"] for t in report["targets"]][-1] == "highest rate with TTFT p99 <= 1000 ms"
     assert (tmp_path / report["plot"]).read_bytes().startswith(b"\x89PNG")
     assert "TTFT p50" in printed and "highest rate with TTFT p99" in printed
+    assert report["plan"]["max_tokens"] == DEFAULT_MAX_TOKENS  # the engine's default budget
+
+
+def test_a_tuned_token_budget_is_the_engines_and_is_recorded(tmp_path):
+    # 6 tokens an iteration against prompts of up to 16: every long prompt is chunked.
+    assert bench_main(["serve", "--smoke", "--rates", "inf", "--max-tokens", "6", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "serve_bench.json").read_text())
+    assert report["plan"]["max_tokens"] == 6
+    (point,) = report["points"]
+    requests = smoke_requests()
+    assert point["completed"] == len(requests) and point["output_tokens"] == sum(r.max_new_tokens for r in requests)
+    # Every prompt token passed through iterations of at most 6 tokens: more of them than prompts.
+    assert point["loop"]["iterations"] > sum(len(r.prompt) for r in requests) // 6
 
 
 def test_smoke_sweep_at_tp_1_and_2_serves_the_same_workload_on_gloo_ranks(tmp_path, capsys):
@@ -337,6 +351,9 @@ def test_plot_has_one_point_per_rate(tmp_path):
     (["--prompt-format", "text"], "--prompt-format applies to --url only"),
     (["--url", "127.0.0.1:8000"], "must start with http:// or https://"),
     (["--url", "http://127.0.0.1:9", "--max-reqs", "8"], "--max-reqs sizes the in-process engine"),
+    (["--url", "http://127.0.0.1:9", "--max-tokens", "8192"], "--max-tokens sizes the in-process engine"),
+    (["--max-reqs", "8", "--max-tokens", "4"], "--max-tokens 4 with --max-reqs 8: EngineConfig.max_tokens (4) must hold"),
+    (["--max-tokens", "0"], "must be >= 1"),
     (["--url", "http://127.0.0.1:9"], "cannot list the served models"),
     (["--slo-ttft-ms", "-5"], "must be a finite number > 0"),
     (["--tp", "2", "--url", "http://127.0.0.1:9"], "--tp sizes the in-process engine"),

@@ -26,7 +26,7 @@ from typing import Any, Optional
 import msgspec
 import torch
 
-from graphrelay.capture.iteration.engine import Engine, EngineConfig
+from graphrelay.capture.iteration.engine import DEFAULT_MAX_TOKENS, Engine, EngineConfig
 from graphrelay.capture.kernels.varlen_attention import PAGE
 from graphrelay.capture.model.checkpoint import ModelFileError, resolve_gguf_path
 from graphrelay.capture.model.model import MODEL_PRESETS, ModelConfig
@@ -75,6 +75,7 @@ class Plan(msgspec.Struct, frozen=True):
     timeout_s: float
     smoke: bool
     tp: tuple[int, ...] = ()  # tensor-parallel sizes to sweep at; () = one plain run
+    max_tokens: int = DEFAULT_MAX_TOKENS  # in process: the engine's token budget per iteration
     client_procs: int = 1  # --url: client processes sending the requests (1 in process)
 
 
@@ -113,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="output tokens (max_tokens), uniform (default 32,256)")
     parser.add_argument("--max-reqs", type=options.positive_int, default=None,
                         help="in process: request slots, also the largest decode batch (default 256)")
+    parser.add_argument("--max-tokens", type=options.positive_int, default=None,
+                        help=f"in process: the engine's token budget per iteration, its largest captured bucket "
+                             f"(default {DEFAULT_MAX_TOKENS}, the engine's; a tuned run sets it beside the default's)")
     parser.add_argument("--model", choices=sorted(MODEL_PRESETS), default=None,
                         help=f"model preset (default smollm2-135m; with --tp {TP_MODEL}, --smoke tiny)")
     parser.add_argument("--tp", type=options.int_list, default=None, metavar="SIZES",
@@ -155,6 +159,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise options.UsageError(f"--url {args.url!r} must start with http:// or https://, e.g. http://127.0.0.1:8000")
     elif args.max_reqs is not None:
         raise options.UsageError("--max-reqs sizes the in-process engine; with --url the server has its own: drop it")
+    elif args.max_tokens is not None:
+        raise options.UsageError("--max-tokens sizes the in-process engine; with --url the server has its own: drop it")
     elif args.tp is not None:
         raise options.UsageError("--tp sizes the in-process engine; with --url the server has its own: drop it")
     options.require_within("--client-procs", [args.client_procs or 1], 1, MAX_CLIENT_PROCS)
@@ -167,7 +173,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
                 rates=tuple(args.rates or rate_list(defaults["rates"])), max_reqs=args.max_reqs or defaults["max_reqs"],
                 seed=args.seed, slo_ttft_ms=args.slo_ttft_ms, url=args.url.rstrip("/") if args.url else None,
                 served_model=args.served_model, prompt_format=args.prompt_format, timeout_s=args.timeout_s,
-                smoke=args.smoke, tp=tuple(args.tp or ()), client_procs=client_procs)
+                smoke=args.smoke, tp=tuple(args.tp or ()), client_procs=client_procs,
+                max_tokens=args.max_tokens or DEFAULT_MAX_TOKENS)
 
 
 def main(argv: list[str]) -> int:
@@ -224,8 +231,11 @@ def engine_config(plan: Plan, loaded: LoadedModel, device: torch.device) -> Engi
     if loaded.config.max_seq_len < longest:
         raise options.UsageError(f"--prompt-len and --output-len allow {longest} tokens per request, but {loaded.source} "
                                  f"holds {loaded.config.max_seq_len}; lower their HIGH ends")
-    return EngineConfig(loaded.config, max_reqs=plan.max_reqs, max_batch=plan.max_reqs, device=str(device),
-                        use_graphs=device.type == "cuda")
+    try:
+        return EngineConfig(loaded.config, max_reqs=plan.max_reqs, max_batch=plan.max_reqs, device=str(device),
+                            use_graphs=device.type == "cuda", max_tokens=plan.max_tokens)
+    except ValueError as error:  # e.g. a budget below one decode iteration: the engine names both numbers
+        raise options.UsageError(f"--max-tokens {plan.max_tokens} with --max-reqs {plan.max_reqs}: {error}") from None
 
 
 def build_engine(plan: Plan, config: EngineConfig, loaded: LoadedModel) -> Engine:
