@@ -162,6 +162,48 @@ def test_captured_decode_replays_eager_bit_for_bit(plan_kind):
         assert not torch.equal(replayed[1], before[0]), "the replay wrote no K"
 
 
+@pytest.mark.parametrize("rows", [1, 8])
+def test_pdl_chain_replays_the_serialized_forward(rows):
+    """Under PDL each kernel launches while the one before still runs and reads its inputs
+    only after its wait (capture.kernels.pdl). A 30-layer decode forward (SmolLM2-135M's
+    depth, the longest chain) captured that way and replayed 50 times equals, every time and
+    bit for bit, the same forward run eagerly without PDL, each kernel launched after the one
+    before has ended."""
+    if not pdl_supported(torch.device(DEVICE)):
+        pytest.skip("programmatic dependent launch needs a Hopper-class GPU")
+    model = smol_model(layers=30)
+    gen = torch.Generator().manual_seed(rows)
+    lengths = torch.randint(4, 200, (rows,), generator=gen).tolist()
+    for slot, n in enumerate(lengths, start=1):
+        model.prefill([slot], [torch.randint(0, 4096, (n,), generator=gen).tolist()])
+    tokens = torch.randint(0, 4096, (rows,), generator=gen).to(DEVICE)
+    slots = torch.arange(1, rows + 1, dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    out = torch.empty(rows, model.config.vocab_size, device=DEVICE)
+    cache = model.kv_cache.keys + model.kv_cache.values
+    before = [t.clone() for t in cache]
+
+    def restore() -> None:
+        for t, saved in zip(cache, before):
+            t.copy_(saved)
+
+    model.plan = LinearPlan.fixed("triton", pdl=False)
+    model.decode(tokens, slots, seq_lens, out=out)
+    serialized = [out.clone()] + [t.clone() for t in cache]
+    restore()
+    model.plan = LinearPlan.fixed("triton")
+    model.decode(tokens, slots, seq_lens, out=out)  # compiles the PDL kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        model.decode(tokens, slots, seq_lens, out=out)
+    for replay in range(50):
+        restore()
+        graph.replay()
+        for index, (a, b) in enumerate(zip([out] + cache, serialized)):
+            assert torch.equal(a, b), f"replay {replay}: tensor {index} (0: logits, then K and V per layer) differs"
+
+
 def test_bench_kernels_smoke_writes_every_row(tmp_path):
     assert bench_main(["kernels", "--smoke", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "kernels_bench.json").read_text())
