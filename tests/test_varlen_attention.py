@@ -335,6 +335,24 @@ def test_a_grid_with_more_splits_than_a_walk_needs_gives_the_same_bits():
         assert torch.equal(other, outputs[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_rows_merging_up_to_eight_splits_match_the_reference(dtype):
+    """Decode rows walking 1, 3, 5 and 8 key tiles of 128 under a grid of 8 splits: the last
+    split to finish merges 1, 3, 5 and 8 partials (a one-row decode over a long context splits
+    this wide), and every row matches the reference."""
+    max_seq_len, heads, kv_heads = 1024, 4, 2
+    spans = [(1, 9, 1), (2, 300, 1), (3, 600, 1), (4, 1023, 1)]  # keys 0 ..= position
+    batch = flat_batch(spans, heads=heads, head_dim=HEAD_DIM, dtype=dtype, q_block=1)
+    k_cache, v_cache = random_cache(NUM_SLOTS, max_seq_len, kv_heads, HEAD_DIM, dtype)
+    table = identity_block_table(NUM_SLOTS, max_seq_len)
+    expected = run(batch, k_cache, v_cache, table, backend="torch", q_block=1)
+    workspace = VarlenWorkspace(len(spans), heads, HEAD_DIM, 8, "cpu")
+    got = run(batch, k_cache, v_cache, table, backend="triton", num_splits=8, q_block=1, workspace=workspace,
+              split_tiles=1)
+    torch.testing.assert_close(got, expected, atol=1e-5 if dtype == torch.float32 else TOLERANCE[dtype], rtol=0)
+    assert not workspace.done.any()
+
+
 def test_workspace_caps_and_rejects():
     batch, k_cache, v_cache, table = small_case()
     tokens = batch["q"].shape[0]
