@@ -157,12 +157,12 @@ def make_plan(args: argparse.Namespace) -> Plan:
             raise options.UsageError(f"{unused[0]} applies to --url only; add --url URL or drop {unused[0]}")
     elif not args.url.startswith(("http://", "https://")):
         raise options.UsageError(f"--url {args.url!r} must start with http:// or https://, e.g. http://127.0.0.1:8000")
-    elif args.max_reqs is not None:
-        raise options.UsageError("--max-reqs sizes the in-process engine; with --url the server has its own: drop it")
-    elif args.max_tokens is not None:
-        raise options.UsageError("--max-tokens sizes the in-process engine; with --url the server has its own: drop it")
-    elif args.tp is not None:
-        raise options.UsageError("--tp sizes the in-process engine; with --url the server has its own: drop it")
+    else:
+        sizing = (("--max-reqs", args.max_reqs), ("--max-tokens", args.max_tokens), ("--tp", args.tp))
+        engine_only = [flag for flag, value in sizing if value is not None]
+        if engine_only:
+            raise options.UsageError(f"{engine_only[0]} sizes the in-process engine; with --url the server has its "
+                                     f"own: drop it")
     options.require_within("--client-procs", [args.client_procs or 1], 1, MAX_CLIENT_PROCS)
     client_procs = args.client_procs or 1
     if args.url is not None and args.client_procs is None:
