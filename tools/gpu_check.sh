@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The whole GPU check in one command, on a GPU machine (also one with no network):
 #   tools/gpu_check.sh [OUT_DIR]        (default: $OUT, else results/gpu-check)
-# Installs any wheels shipped beside the repo (.whl/ or tools/wheels/, e.g. msgspec, gguf), runs
+# Installs any wheels shipped beside the repo (.whl*/ or tools/wheels/: on a machine with no network,
+# msgspec and gguf, and for the HTTP tests starlette, uvicorn, httptools, uvloop, outlines-core, openai
+# with httpx2 / httpcore2 / pydantic, httpx and jsonschema; several .whl* folders let them travel
+# over calls beside the model's two parts), runs
 # the GPU tests (`pytest -m gpu`, the real model's bf16 equality with transformers included),
 # the benchmarks (relay, loop, online load in process and over HTTP, the HTTP soak, JSON-schema
 # outputs, end to end against transformers, speculative decoding, the sampler; with two GPUs also tensor
@@ -22,7 +25,7 @@ cd "$root"
 export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 
-wheels=$(ls .whl/*.whl tools/wheels/*.whl 2>/dev/null || true)
+wheels=$(ls .whl*/*.whl tools/wheels/*.whl 2>/dev/null || true)
 if [ -n "$wheels" ]; then
     "$py" -m pip install -q --upgrade --no-index --no-deps --target /tmp/graphrelay-site $wheels || exit 1
     export PYTHONPATH=/tmp/graphrelay-site:$root${PYTHONPATH:+:$PYTHONPATH}
