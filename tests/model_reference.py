@@ -35,7 +35,8 @@ def reference_logits(model: LlamaModel, token_ids: list[int]) -> torch.Tensor:
     """Slow reference: logits [vocab] f32 of the last position, recomputed without the cache.
 
     Plain causal attention over the whole sequence, KV heads repeated for GQA, rotary angles
-    taken from the same table; shares only the weights and the norm/MLP helpers with the model.
+    taken from the same table, K and V rounded to the model's cache dtype; shares only the
+    weights and the norm/MLP helpers with the model.
     """
     c = model.config
     n = len(token_ids)
@@ -46,6 +47,9 @@ def reference_logits(model: LlamaModel, token_ids: list[int]) -> torch.Tensor:
     for layer in model.layers:
         q, k, v = split_qkv(c, rms_norm(x, layer.attn_norm, c.rms_eps) @ layer.qkv.T)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        # K and V as the model's cache holds them: a float8 cache (capture.model.kv_cache)
+        # rounds them, a cache of the model dtype leaves them as they are.
+        k, v = (t.to(model.kv_cache.keys[0].dtype).to(x.dtype) for t in (k, v))
         k = k.repeat_interleave(c.kv_groups, dim=1)  # [n, h, d]
         v = v.repeat_interleave(c.kv_groups, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) / math.sqrt(c.head_dim) + causal

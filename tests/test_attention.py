@@ -218,7 +218,7 @@ def test_workspace_caps_the_heuristic():
 @pytest.mark.parametrize(
     "change, match",
     [
-        (lambda a: {**a, "q": a["q"].double()}, "dtypes differ"),
+        (lambda a: {**a, "q": a["q"].double()}, "k_cache and v_cache must both be torch.float64 for q of torch.float64"),
         (lambda a: {**a, "slots": a["slots"].float()}, "slots must be int32 or int64"),
         (lambda a: {**a, "positions": a["positions"][:-1]}, "positions must be"),
         (lambda a: {**a, "q": torch.stack((a["q"], a["q"]), dim=-1)[..., 0]}, "unit-stride"),

@@ -357,6 +357,8 @@ def test_plot_has_one_point_per_rate(tmp_path):
     (["--url", "http://127.0.0.1:9"], "cannot list the served models"),
     (["--slo-ttft-ms", "-5"], "must be a finite number > 0"),
     (["--tp", "2", "--url", "http://127.0.0.1:9"], "--tp sizes the in-process engine"),
+    (["--kv-cache-dtype", "fp8", "--url", "http://127.0.0.1:9"], "--kv-cache-dtype sizes the in-process engine"),
+    (["--kv-cache-dtype", "int4"], "invalid choice: 'int4'"),
     (["--tp", "1,2", "--model", "smollm2-135m", "--weights", "random"], "--tp 2: tensor parallelism over 2 ranks needs num_heads (9)"),
 ])
 def test_bad_options_exit_2_with_one_line(argv, message, tmp_path, capsys):

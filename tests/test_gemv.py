@@ -268,6 +268,34 @@ def test_settled_rotary_inputs_change_no_bit(tiles):
     assert not torch.equal(results[0][1], case.k_cache)  # the keys were written at all
 
 
+def check_float8_cache(device, dtype, rows, k, tiles: gemv_tiles.Tiles | None = None, seed=0) -> None:
+    """The fused QKV kernel into a float8 cache (capture.model.kv_cache) stores what it stores
+    into a model-dtype cache, cast by torch (nearest even, saturating), and the same q."""
+    heads = HEADS[0]
+    width = (heads.heads + 2 * heads.kv_heads) * heads.head_dim
+    t = inputs(device, dtype, rows, k, width, seed)
+    t["weight"][-heads.head_dim:] *= 2000.0  # one v head far beyond e4m3's +-448: it saturates
+    case = rotary_case(heads, rows, dtype=dtype, device=device, cache_rows=9, seq_len=64, seed=seed)
+    results = []
+    for cache_dtype in (dtype, torch.float8_e4m3fn):
+        rotary = gemv.Rotary(case.cos, case.sin, case.positions, case.slots, case.k_cache.to(cache_dtype),
+                             case.v_cache.to(cache_dtype), heads.heads, heads.kv_heads)
+        q = gemv.norm_qkv_rotary(t["x"], t["norm_weight"], t["weight"], EPS, rotary, backend="triton", tiles=tiles)
+        results.append((q, rotary.k_cache, rotary.v_cache))
+    (q, k_model, v_model), (q8, k8, v8) = results
+    assert torch.equal(q, q8)
+    for name, model, float8 in (("k", k_model, k8), ("v", v_model, v8)):
+        cast = model.to(torch.float8_e4m3fn)
+        assert torch.equal(float8.view(torch.uint8), cast.view(torch.uint8)), f"{tiles} {name}_cache"
+    assert v8.float().abs().max() == 448.0 and v_model.float().abs().max() > 448.0
+
+
+@pytest.mark.parametrize("tiles", [None, gemv_tiles.Tiles(1, 4, 64, 4, True), gemv_tiles.Tiles(16, 16, 64, 4, False)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qkv_into_a_float8_cache_rounds_as_torch_casts(dtype, tiles):
+    check_float8_cache("cpu", dtype, 5 if tiles is not None and tiles.fma else 20, 40, tiles)
+
+
 @pytest.mark.parametrize("rows,k", [(20, 40), (80, 600)])
 def test_early_epilogue_inputs_change_no_bit(rows, k):
     check_early_equals_late("cpu", torch.bfloat16, rows, k, gemv_tiles.Tiles(16, 16, 64, 4, False))

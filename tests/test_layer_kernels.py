@@ -240,6 +240,36 @@ def test_rotary_triton_equals_torch(dtype, shape, n):
     check_rotary("cpu", dtype, shape, n, cache_rows=6, seq_len=32)
 
 
+def bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's raw bytes: comparable where torch has no float8 comparison on the CPU."""
+    return t.contiguous().view(torch.uint8)
+
+
+def check_rotary_float8(device: str, dtype: torch.dtype, shape: Shape, n: int) -> None:
+    """An opt-in float8 cache (capture.model.kv_cache) holds what a model-dtype cache would,
+    cast by torch (nearest even, ties included: a bf16 value ties on the e4m3 grid one time in
+    sixteen; saturating at +-448), in both backends; q is untouched by the cache's dtype."""
+    case = rotary_case(shape, n, dtype=dtype, device=device, cache_rows=6, seq_len=32)
+    qkv = case.qkv.clone()
+    qkv[0, -3:] = torch.tensor([1000.0, -600.0, 447.0], device=device)  # v beyond e4m3's range saturates
+    case = case._replace(qkv=qkv)
+    q_ref, k_ref, v_ref = run_rotary(case, shape, "torch")
+    float8 = case._replace(k_cache=case.k_cache.to(torch.float8_e4m3fn), v_cache=case.v_cache.to(torch.float8_e4m3fn))
+    for backend in ("torch", "triton"):
+        q, k_cache, v_cache = run_rotary(float8, shape, backend)
+        assert torch.equal(q, q_ref), backend
+        for name, got, want in (("k", k_cache, k_ref), ("v", v_cache, v_ref)):
+            assert torch.equal(bytes_of(got), bytes_of(want.to(torch.float8_e4m3fn))), f"{backend} {name}_cache"
+    assert v_cache.float().abs().max() == 448.0
+
+
+@DTYPES
+@SHAPES
+@pytest.mark.parametrize("n", [1, 17])
+def test_rotary_into_a_float8_cache_rounds_as_torch_casts(dtype, shape, n):
+    check_rotary_float8("cpu", dtype, shape, n)
+
+
 def test_rotary_takes_int32_indices_and_fills_q_out():
     case = rotary_case(TINY, 9, dtype=torch.float32, device="cpu", cache_rows=4, seq_len=16,
                        index_dtype=torch.int32)
@@ -379,6 +409,9 @@ BAD_CALLS = {
     "kv heads": (lambda b: lk.rotary_and_cache_write(**_rotary_args(num_kv_heads=2), backend=b), "k_cache must be"),
     "cache dtype": (lambda b: lk.rotary_and_cache_write(
         **_rotary_args(v_cache=torch.zeros(3, 8, 1, 4, dtype=torch.bfloat16)), backend=b), "v_cache must be"),
+    "float8 k, model-dtype v": (lambda b: lk.rotary_and_cache_write(
+        **_rotary_args(k_cache=torch.zeros(3, 8, 1, 4, dtype=torch.float8_e4m3fn)), backend=b),
+        "v_cache must be .*float8_e4m3fn"),
     "cache not contiguous": (lambda b: lk.rotary_and_cache_write(
         **_rotary_args(k_cache=torch.zeros(8, 3, 1, 4).transpose(0, 1)), backend=b), "contiguous"),
     "float positions": (lambda b: lk.rotary_and_cache_write(**_rotary_args(positions=torch.zeros(2)), backend=b),

@@ -18,20 +18,21 @@ from graphrelay.capture.serving.workloads import Request, SyntheticWorkload
 MODEL = ModelConfig.preset("tiny")
 
 
-def make_engine(mode: str, device: str, max_reqs: int = 6, max_batch: int = 4, max_tokens: int = 24) -> Engine:
+def make_engine(mode: str, device: str, max_reqs: int = 6, max_batch: int = 4, max_tokens: int = 24,
+                kv_cache_dtype: str = "auto") -> Engine:
     # One token bucket: every mode runs every iteration at the same shape, so per-row results
     # (and greedy tokens) are bit-identical across modes (see README: "Where the modes may
     # differ"). 24 tokens: prompts (up to 12) are chunked over iterations beside decodes.
     engine = Engine(EngineConfig(
         MODEL, max_reqs=max_reqs, max_batch=max_batch, device=device, max_tokens=max_tokens,
-        use_graphs=mode != "eager", buckets=(max_tokens,), debug=True,
+        use_graphs=mode != "eager", buckets=(max_tokens,), debug=True, kv_cache_dtype=kv_cache_dtype,
     ))
     engine.capture()
     return engine
 
 
-def serve(mode: str, requests, device: str, **kwargs):
-    engine = make_engine(mode, device)
+def serve(mode: str, requests, device: str, kv_cache_dtype: str = "auto", **kwargs):
+    engine = make_engine(mode, device, kv_cache_dtype=kv_cache_dtype)
     result = ServingLoop(engine, mode).run(requests, **kwargs)
     engine.relay.check()  # debug mode: no unwritten or double-consumed row was ever read
     return result
@@ -47,10 +48,11 @@ def tokens_of(result) -> dict[str, list[int]]:
     return {rid: out.tokens for rid, out in result.outputs.items()}
 
 
-def test_greedy_tokens_match_the_slow_reference(device):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_greedy_tokens_match_the_slow_reference(kv_cache_dtype, device):
     requests = workload(num_requests=5, output_len=(3, 8))
-    result = serve("overlap", requests, device)
-    engine_model = make_engine("eager", device).model
+    result = serve("overlap", requests, device, kv_cache_dtype)
+    engine_model = make_engine("eager", device, kv_cache_dtype=kv_cache_dtype).model
     for r in requests:
         seq = list(r.prompt)
         for token in result.outputs[r.id].tokens:
@@ -58,11 +60,13 @@ def test_greedy_tokens_match_the_slow_reference(device):
             seq.append(token)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
-def test_modes_produce_identical_tokens(sampling, device):
+def test_modes_produce_identical_tokens(sampling, kv_cache_dtype, device):
     extra = {} if sampling == "greedy" else dict(temperature=0.8, top_k=20)
     requests = workload(**extra)
-    results = {mode: serve(mode, requests, device) for mode in ("overlap", "no-overlap", "eager")}
+    results = {mode: serve(mode, requests, device, kv_cache_dtype)
+               for mode in ("overlap", "no-overlap", "eager")}
     base = tokens_of(results["eager"])
     assert len(base) == len(requests)
     for mode, result in results.items():
@@ -142,6 +146,23 @@ def test_the_loop_passes_on_warnings_it_does_not_count():
     engine.launch = launch_and_warn
     with pytest.warns(UserWarning, match="from inside the loop"):
         ServingLoop(engine, "overlap").run(workload(num_requests=4, output_len=(3, 5)))
+
+
+def test_a_float8_kv_cache_changes_tokens_and_halves_the_cache():
+    # The float8 cache is not the model-dtype one (tiny's float32 K/V rounded to 3 mantissa
+    # bits): some greedy token moves, and the memory plan counts a quarter of float32's bytes.
+    requests = workload(num_requests=8, output_len=(16, 20))
+    assert tokens_of(serve("eager", requests, "cpu", "fp8")) != tokens_of(serve("eager", requests, "cpu"))
+    sizes = dict(max_reqs=8, max_batch=4, max_tokens=16)
+    plain, float8 = (EngineConfig(MODEL, **sizes, kv_cache_dtype=name).memory_plan() for name in ("auto", "fp8"))
+    assert float8.kv_cache * 4 == plain.kv_cache and float8.weights == plain.weights
+    engine = make_engine("eager", "cpu", kv_cache_dtype="fp8")
+    assert {t.dtype for t in engine.model.kv_cache.keys + engine.model.kv_cache.values} == {torch.float8_e4m3fn}
+
+
+def test_engine_config_rejects_an_unknown_kv_cache_dtype():
+    with pytest.raises(ValueError, match=r"EngineConfig.kv_cache_dtype 'int4' is not supported; use one of \['auto', 'fp8'\]"):
+        EngineConfig(MODEL, max_reqs=4, max_batch=2, kv_cache_dtype="int4")
 
 
 @pytest.mark.parametrize("field, value", [("max_batch", 0), ("max_reqs", -1), ("max_tokens", 1.5), ("max_top_k", 0),

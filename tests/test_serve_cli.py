@@ -81,7 +81,8 @@ def test_request_file_runs(tmp_path, capsys):
 
 def test_bad_arguments_exit_2_without_traceback():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    for args in (["--mode", "fast"], ["--prompt-len", "9,2"], ["--buckets", "0,4"], ["--device", "mps"]):
+    for args in (["--mode", "fast"], ["--prompt-len", "9,2"], ["--buckets", "0,4"], ["--device", "mps"],
+                 ["--kv-cache-dtype", "int8"]):
         done = subprocess.run([sys.executable, "-m", "graphrelay.tools.cli", "serve", *args], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=HANG_S)
         assert done.returncode == 2, args
@@ -143,6 +144,19 @@ def test_serve_tensor_parallel_on_cpu_matches_one_rank(tmp_path, capsys):
     assert "num_heads (9) divisible by 2" in capsys.readouterr().err
     assert serve_main([*tiny, "--tp", "0"]) == 2
     assert "--tp must be at least 1" in capsys.readouterr().err
+
+
+def test_a_float8_kv_cache_reaches_every_rank(tmp_path, capsys):
+    """`--kv-cache-dtype fp8` builds the engine's cache in float8 on every tensor-parallel rank:
+    two ranks give one rank's tokens, which are not the model-dtype cache's."""
+    tiny = ["--model", "tiny", "--device", "cpu", "--quiet", "--num-requests", "6", "--output-len", "12,16"]
+    runs = {"auto": [], "fp8": ["--kv-cache-dtype", "fp8"], "fp8 tp2": ["--kv-cache-dtype", "fp8", "--tp", "2"]}
+    tokens = {}
+    for name, extra in runs.items():
+        path = tmp_path / f"{name}.json"
+        assert serve_main([*tiny, *extra, "--json", str(path)]) == 0
+        tokens[name] = {o["id"]: o["tokens"] for o in json.loads(path.read_text())["outputs"]}
+    assert tokens["fp8 tp2"] == tokens["fp8"] != tokens["auto"]
 
 
 def test_llama_1b_over_two_cpu_ranks_is_checked_for_every_rank_before_any_spawns(monkeypatch, capsys):

@@ -152,6 +152,28 @@ def test_all_decode_batch_equals_decode_reference(dtype, q_block):
         torch.testing.assert_close(got, expected, atol=TOLERANCE[dtype], rtol=0)
 
 
+@pytest.mark.parametrize("q_block, num_splits", [(1, 1), (1, 2), (Q_BLOCK, 1), (Q_BLOCK, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float8_cache_widens_to_the_model_dtype(dtype, q_block, num_splits):
+    # An opt-in float8 cache (capture.model.kv_cache): both backends widen each K/V value to
+    # q's dtype as they read it, so they equal attention over that widened cache, and the
+    # oracle reading the float8 values directly.
+    batch, k_model, v_model, table = small_case(dtype, q_block=q_block)
+    k_cache, v_cache = (c.to(torch.float8_e4m3fn) for c in (k_model, v_model))
+    widened = [c.to(dtype) for c in (k_cache, v_cache)]
+    expected = run(batch, *widened, table, backend="torch", q_block=q_block)
+    assert torch.equal(run(batch, k_cache, v_cache, table, backend="torch", q_block=q_block), expected)
+    got = run(batch, k_cache, v_cache, table, backend="triton", q_block=q_block, num_splits=num_splits, split_tiles=1)
+    covered = batch["covered"]
+    torch.testing.assert_close(got[covered], expected[covered], atol=TOLERANCE[dtype], rtol=0)
+    naive = naive_attention(batch["q"][covered], k_cache, v_cache, batch["token_slot"][covered],
+                            batch["token_pos"][covered], 0.25)
+    torch.testing.assert_close(expected[covered].double(), naive, atol=2 * TOLERANCE[dtype], rtol=0)
+    # The float8 values are not the model's: the cache's rounding shows in the output.
+    assert not torch.equal(expected[covered], run(batch, k_model, v_model, table, backend="torch",
+                                                  q_block=q_block)[covered])
+
+
 def test_longer_blocks_than_q_block_are_clamped_to_it():
     # A caller bug (a block of 20 tokens with q_block 4) computes the first 4 tokens and
     # leaves the rest untouched, in both backends: no row outside the built ones is written.
@@ -385,7 +407,10 @@ def _bad_cache(args):
 @pytest.mark.parametrize(
     "change, match",
     [
-        (lambda a: {**a, "q": a["q"].double()}, "dtypes differ"),
+        (lambda a: {**a, "q": a["q"].double()}, "k_cache and v_cache must both be torch.float64 or torch.float8_e4m3fn"),
+        (lambda a: {**a, "v_cache": a["v_cache"].to(torch.float8_e4m3fn)}, "got torch.float32 and torch.float8_e4m3fn"),
+        (lambda a: {**a, "k_cache": a["k_cache"].to(torch.int8), "v_cache": a["v_cache"].to(torch.int8)},
+         "must both be torch.float32 or torch.float8_e4m3fn for q of torch.float32, got torch.int8"),
         (lambda a: {**a, "token_pos": a["token_pos"][:-1]}, "token_pos must be"),
         (lambda a: {**a, "token_slot": a["token_slot"].float()}, "token_slot must be int32 or int64"),
         (lambda a: {**a, "block_table": a["block_table"][:, :3]}, "block_table must be"),

@@ -26,6 +26,7 @@ from graphrelay.capture.iteration.inputs import IterationInputs, bucket_spans
 from graphrelay.capture.iteration.ngram import SpecConfig, TokenHistory
 from graphrelay.capture.iteration.spans import Span
 from graphrelay.capture.iteration.step import CONTROLS, PLAIN, IterationStep
+from graphrelay.capture.model.kv_cache import KV_CACHE_DTYPES
 from graphrelay.capture.model.linear_plan import SKINNY_ROWS, LinearPlan
 from graphrelay.capture.model.memory_plan import MemoryPlan, check_fits, plan_memory
 from graphrelay.capture.model.model import LlamaModel, ModelConfig, ModelWeights
@@ -65,6 +66,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     spec: Optional[SpecConfig] = None
     debug: bool = False
     controls: Optional[ControlsConfig] = None  # None: no sampling controls in the graphs
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": float8 e4m3 (capture.model.kv_cache)
 
     def __post_init__(self) -> None:
         for name in ("max_reqs", "max_batch", "mirror_depth", "max_tokens"):
@@ -74,6 +76,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.max_top_k is not None and (not isinstance(self.max_top_k, int) or isinstance(self.max_top_k, bool)
                                            or self.max_top_k < 1):
             raise ValueError(f"EngineConfig.max_top_k must be None or a positive int, got {self.max_top_k!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"EngineConfig.kv_cache_dtype {self.kv_cache_dtype!r} is not supported; use one of "
+                             f"{sorted(KV_CACHE_DTYPES)} (auto: the model's dtype)")
         if self.buckets is not None and (not self.buckets or max(self.buckets) != self.max_tokens):
             raise ValueError(f"EngineConfig.buckets must end at max_tokens ({self.max_tokens}), the largest "
                              f"iteration the scheduler builds; got {self.buckets!r}")
@@ -98,7 +103,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """The memory one of `world` tensor-parallel ranks of this engine takes (its shard of
         the model); raises if the model does not split over `world`."""
         rows = bucket_spans(self.max_tokens, self.max_batch) * self.tokens_per_decode
-        return plan_memory(self.model.shard(world), self.max_reqs, self.max_tokens, rows)
+        return plan_memory(self.model.shard(world), self.max_reqs, self.max_tokens, rows, self.kv_cache_dtype)
 
 
 class Engine:
@@ -130,7 +135,8 @@ class Engine:
         self.relay = Relay(RelayConfig.plain(max_reqs, rows, debug=config.debug, **extra), self.device, validate=False)
         buckets = list(config.buckets) if config.buckets else default_buckets(config.max_tokens)
         self.model = LlamaModel(model_config, max_reqs, self.device, weights=weights, tp=tp,
-                                attention_buckets=[(b, self.inputs.geometry(b).spans) for b in buckets])
+                                attention_buckets=[(b, self.inputs.geometry(b).spans) for b in buckets],
+                                kv_cache_dtype=config.kv_cache_dtype)
         self.mirror = HostMirror(self.relay, depth=config.mirror_depth, validate=False)
         self.history = TokenHistory(max_reqs, model_config.max_seq_len, self.device) if spec else None
         self.controls = None

@@ -174,8 +174,10 @@ def pick_num_splits(n: int, kv_heads: int, max_len: int, sm_count: int, per_sm: 
 
 
 def _check_cache_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      index_tensors: dict[str, torch.Tensor], q_dims: int) -> None:
-    """Metadata checks shared by decode and prefill (no values read)."""
+                      index_tensors: dict[str, torch.Tensor], q_dims: int,
+                      cache_dtypes: tuple[torch.dtype, ...] = ()) -> None:
+    """Metadata checks shared by decode and prefill (no values read). The cache holds q's dtype
+    or, both K and V, one of `cache_dtypes`."""
     if q.dim() != q_dims:
         raise ValueError(f"q must have {q_dims} dims, got shape {tuple(q.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
@@ -187,8 +189,11 @@ def _check_cache_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim or heads % kv_heads:
         raise ValueError(f"q heads x dim {heads} x {head_dim} do not fit cache {tuple(k_cache.shape)}")
-    if not q.dtype == k_cache.dtype == v_cache.dtype:
-        raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    allowed = (q.dtype, *cache_dtypes)
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in allowed:
+        names = " or ".join(str(d) for d in allowed)
+        raise ValueError(f"k_cache and v_cache must both be {names} for q of {q.dtype}, "
+                         f"got {k_cache.dtype} and {v_cache.dtype}")
     for name, t in index_tensors.items():
         if t.dim() != 1 or t.shape[0] != q.shape[0]:
             raise ValueError(f"{name} must be [{q.shape[0]}], got {tuple(t.shape)}")

@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from graphrelay.capture.kernels import layer_kernels as lk
-from graphrelay.capture.kernels.layer_kernels import _check_rotary, _expect, _expect_2d, _pick_backend, _round_to
+from graphrelay.capture.kernels.layer_kernels import _check_rotary, _expect, _expect_2d, _pick_backend, _round_to, _to_cache
 from graphrelay.capture.kernels.gemv_tiles import SplitKWorkspace, Tiles, check_tiles, default_tiles
 from graphrelay.capture.kernels.pdl import resolve_pdl
 
@@ -66,7 +66,7 @@ EPILOGUE_NONE, EPILOGUE_RESIDUAL, EPILOGUE_SILU_MUL, EPILOGUE_ROTARY = 0, 1, 2, 
 class Rotary(NamedTuple):
     """What `norm_qkv_rotary` needs beyond the projection (see layer_kernels.rotary_and_cache_write):
     cos, sin `[table_rows, d]` float32; positions, slots `[n]`; k_cache, v_cache
-    `[cache_rows, seq_len, num_kv_heads, d]`."""
+    `[cache_rows, seq_len, num_kv_heads, d]` (the model dtype, or both float8 e4m3)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -350,12 +350,16 @@ def _skinny_linear_kernel(
         cache_row = (slot * seq_len + pos)[:, None] * (KVH * D)
         k_ok = out_ok & ((head >= H) & (head < H + KVH))[None, :]
         k_at = k_cache_ptr + cache_row + (col_a - H * D)[None, :]
-        tl.store(k_at, ra, mask=k_ok)
-        tl.store(k_at + D // 2, rb, mask=k_ok)
+        # A float8 cache (capture.model.kv_cache; K and V share its dtype) takes each value
+        # rounded again, from the model dtype.
+        ca = _to_cache(ra, k_cache_ptr.dtype.element_ty)
+        cb = _to_cache(rb, k_cache_ptr.dtype.element_ty)
+        tl.store(k_at, ca, mask=k_ok)
+        tl.store(k_at + D // 2, cb, mask=k_ok)
         v_ok = out_ok & (head >= H + KVH)[None, :]
         v_at = v_cache_ptr + cache_row + (col_a - (H + KVH) * D)[None, :]
-        tl.store(v_at, ra, mask=v_ok)
-        tl.store(v_at + D // 2, rb, mask=v_ok)
+        tl.store(v_at, ca, mask=v_ok)
+        tl.store(v_at + D // 2, cb, mask=v_ok)
     else:
         y = ya
         if EPILOGUE == 1:

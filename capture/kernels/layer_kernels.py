@@ -44,6 +44,7 @@ import triton.language as tl
 BACKENDS = ("triton", "torch")
 MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+CACHE_FLOAT8 = torch.float8_e4m3fn  # the opt-in KV cache dtype besides the model's (capture.model.kv_cache)
 SILU_BLOCK = 512  # intermediate 1536 -> 3 unmasked programs per row
 
 
@@ -103,8 +104,35 @@ def _round_to(v, ty: tl.constexpr):
             return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
         else:
             return v.to(ty, fp_downcast_rounding="rtne")
+    elif ty == tl.float8e4nv:
+        # Saturating at e4m3's largest finite value, as torch's cast does (e4m3 has no infinity).
+        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+        if INTERPRETED:
+            # The interpreter rounds ties away from zero: round onto the e4m3 grid here, in
+            # float32, so its cast is exact. The grid step is 2^(e - 3) for an exponent e >= -6
+            # (3 mantissa bits), 2^-9 below (subnormals); dividing by a power of two is exact,
+            # and adding and taking away 2^23 rounds the magnitude's quotient to an integer,
+            # ties even. The sign goes back on by its bit, so a value rounded to zero keeps it.
+            bits = v.to(tl.uint32, bitcast=True)
+            exponent = ((bits >> 23) & 0xFF).to(tl.int32) - 127
+            step = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
+            magnitude = ((tl.abs(v) / step + 8388608.0) - 8388608.0) * step
+            rounded = magnitude.to(tl.uint32, bitcast=True) | (bits & 0x80000000)
+            return rounded.to(tl.float32, bitcast=True).to(ty)
+        else:
+            return v.to(ty, fp_downcast_rounding="rtne")
     else:
         return v.to(ty)
+
+
+@triton.jit
+def _to_cache(v, cache_ty: tl.constexpr):
+    """A K or V value of the model dtype as the cache stores it: itself, or (a float8 cache,
+    `capture.model.kv_cache`) rounded to nearest even from its float32 widening."""
+    if v.dtype == cache_ty:
+        return v
+    else:
+        return _round_to(v.to(tl.float32), cache_ty)
 
 
 # One compiled variant for every row count (n only bounds a gathered row index).
@@ -200,12 +228,13 @@ def _rotary_cache_kernel(
 
     cache_row = (slot * seq_len + pos) * (KVH * D)
     tl.store(q_ptr + i * (H * D) + head * D + d, out, mask=(head < H) & d_ok)
-    tl.store(k_cache_ptr + cache_row + (head - H) * D + d, out, mask=(head >= H) & qk_ok)
+    tl.store(k_cache_ptr + cache_row + (head - H) * D + d, _to_cache(out, k_cache_ptr.dtype.element_ty),
+             mask=(head >= H) & qk_ok)
 
     v_head = tl.arange(0, V_BLOCK)[:, None]
     v_ok = (v_head < KVH) & d_ok
     v = tl.load(src + (H + KVH) * D + v_head * D + d, mask=v_ok)
-    tl.store(v_cache_ptr + cache_row + v_head * D + d, v, mask=v_ok)
+    tl.store(v_cache_ptr + cache_row + v_head * D + d, _to_cache(v, v_cache_ptr.dtype.element_ty), mask=v_ok)
 
 
 @triton.jit
@@ -325,7 +354,8 @@ def rotary_and_cache_write(
 
     qkv `[n, (num_heads + 2 num_kv_heads) * d]` (q, k, v heads in order, model dtype);
     rope_cos, rope_sin `[table_rows, d]` float32, gathered at `positions` `[n]` here;
-    k_cache, v_cache `[cache_rows, seq_len, num_kv_heads, d]` in qkv's dtype; slots `[n]`.
+    k_cache, v_cache `[cache_rows, seq_len, num_kv_heads, d]` in qkv's dtype, or both float8
+    e4m3 (k and v are then rounded to it as they are stored); slots `[n]`.
     Row i's rotated k and raw v land at `[slots[i], positions[i]]`; padding rows (slot 0) land
     in scratch row 0, where duplicates are harmless. Returns rotated q `[n, num_heads, d]`
     (in `q_out` when given). Out-of-range indices: see `_rotary_cache_kernel`.
@@ -366,8 +396,10 @@ def _check_rotary(n, width, dtype, dev, rope_cos, rope_sin, positions, k_cache, 
     if d % 2 or width != (num_heads + 2 * num_kv_heads) * d:
         raise ValueError(f"rotary qkv width {width} must be (num_heads + 2 * num_kv_heads) * head_dim "
                          f"= ({num_heads} + 2 * {num_kv_heads}) * {d}, with an even head_dim")
+    # The cache holds the model dtype or float8 (capture.model.kv_cache), K and V alike.
+    cache_dtypes = (k_cache.dtype,) if k_cache.dtype in (dtype, CACHE_FLOAT8) else (dtype, CACHE_FLOAT8)
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _expect(f"rotary {name}", cache, tuple(k_cache.shape), (dtype,), dev)
+        _expect(f"rotary {name}", cache, tuple(k_cache.shape), cache_dtypes, dev)
     table_rows = rope_cos.shape[0] if isinstance(rope_cos, torch.Tensor) else 0
     for name, table in (("rope_cos", rope_cos), ("rope_sin", rope_sin)):
         _expect(f"rotary {name}", table, (table_rows, d), (torch.float32,), dev)
@@ -395,6 +427,9 @@ def _rotary_torch(qkv, rope_cos, rope_sin, positions, k_cache, v_cache, slots, n
     q, k = rotate(q, cos, sin), rotate(k, cos, sin)
     flat = slots.long() * seq_len + positions.long()  # rows of the [cache_rows * seq_len, kvh, d] view
     for cache, new in ((k_cache, k), (v_cache, v)):
+        new = new.to(cache.dtype)
+        if cache.dtype == CACHE_FLOAT8:  # index_copy_ has no float8 kernel on the CPU: copy the bytes
+            cache, new = cache.view(torch.uint8), new.view(torch.uint8)
         cache.view(-1, kvh, d).index_copy_(0, flat, new)
     return q if q_out is None else q_out.copy_(q)
 

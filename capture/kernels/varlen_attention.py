@@ -75,13 +75,17 @@ def _tile_rows(table_row, keys, key_ok, num_pages, PAGE: tl.constexpr, CACHE: tl
 
 @triton.jit
 def _attend_tile(q, k_base, v_base, at, keys, key_ok, pos, d, stride_kp, stride_vp, qk_scale, m, l, acc,
-                 PRECISION: tl.constexpr, NATIVE_DOT: tl.constexpr):
+                 PRECISION: tl.constexpr, NATIVE_DOT: tl.constexpr, VALUE_TY: tl.constexpr):
     """One key tile into the running online softmax (m, l, acc) of the block's rows."""
     k = tl.load(k_base + at[:, None] * stride_kp + d[None, :], mask=key_ok[:, None], other=0.0)
     # V is requested with K, not after the scores: a decode row's only tile then waits one
     # memory latency for both instead of two in a row (the dot's shared-memory barrier keeps
     # the compiler from hoisting a later load above it).
     v = tl.load(v_base + at[:, None] * stride_vp + d[None, :], mask=key_ok[:, None], other=0.0)
+    # A float8 cache (capture.model.kv_cache) widens exactly to the model dtype (VALUE_TY);
+    # a cache of the model dtype is left as loaded.
+    k = k.to(VALUE_TY)
+    v = v.to(VALUE_TY)
     if NATIVE_DOT:
         s = tl.dot(q, tl.trans(k))
     else:
@@ -197,13 +201,13 @@ def _varlen_split_kernel(
     l = tl.zeros([ROWS], tl.float32)  # running sum of exp2(score - m)
     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
     m, l, acc = _attend_tile(q, k_base, v_base, at, keys, key_ok, pos, d, stride_kp, stride_vp, qk_scale,
-                             m, l, acc, PRECISION, NATIVE_DOT)
+                             m, l, acc, PRECISION, NATIVE_DOT, out_ptr.dtype.element_ty)
     for start in range((split + used) * BLOCK, last + 1, used * BLOCK):
         keys = start + tl.arange(0, BLOCK)
         key_ok = keys <= last
         at = _tile_rows(table_row, keys, key_ok, num_pages, PAGE, "")
         m, l, acc = _attend_tile(q, k_base, v_base, at, keys, key_ok, pos, d, stride_kp, stride_vp, qk_scale,
-                                 m, l, acc, PRECISION, NATIVE_DOT)
+                                 m, l, acc, PRECISION, NATIVE_DOT, out_ptr.dtype.element_ty)
 
     seen = l > 0
     o = acc / tl.where(seen, l, 1.0)[:, None]
@@ -374,7 +378,8 @@ class VarlenWorkspace(AttentionWorkspace):
 def _check_varlen_args(q, k_cache, v_cache, block_table, token_slot, token_pos,
                        q_block_start, q_block_len, out, max_len) -> int:
     """Metadata checks (no values read); returns the static key bound."""
-    _check_cache_args(q, k_cache, v_cache, {"token_slot": token_slot, "token_pos": token_pos}, 3)
+    _check_cache_args(q, k_cache, v_cache, {"token_slot": token_slot, "token_pos": token_pos}, 3,
+                      cache_dtypes=(torch.float8_e4m3fn,))
     if out is None:
         raise ValueError("out is required: a preallocated [T, heads * head_dim] tensor")
     _check_out(out, q)
@@ -443,7 +448,8 @@ def varlen_attention_reference(
     for begin in range(0, num_tokens, chunk):
         part = slice(begin, begin + chunk)
         rows = (table.index_select(0, slots[part])[:, keys // page] * page + keys % page).flatten()
-        gathered = [c.index_select(0, rows).view(-1, length, kv_heads, head_dim) for c in cache_rows]
+        # A float8 cache widens exactly to q's (the model's) dtype, as the kernel reads it.
+        gathered = [c.index_select(0, rows).view(-1, length, kv_heads, head_dim).to(q.dtype) for c in cache_rows]
         result[part] = attend_gathered(q[part], *gathered, positions[part], scale)
     return out.copy_(torch.where(covered[:, None], result, out))
 
@@ -510,7 +516,8 @@ def varlen_attention(
 ) -> torch.Tensor:
     """Attention of a flat batch of T query tokens over the paged slot cache; capturable.
 
-    q `[T, h, d]` (the cache's dtype); token_slot, token_pos `[T]`; q_block_start,
+    q `[T, h, d]` (the model dtype; the cache holds it too, or float8 e4m3, which the kernel
+    widens as it reads); token_slot, token_pos `[T]`; q_block_start,
     q_block_len `[num_blocks]` from `q_blocks` (host) padded to `max_q_blocks`, with the same
     static `q_block` (tokens per block) as given here; block_table
     `[num_slots, pages_per_slot]`; all int32/int64 on q's device. Writes `out` `[T, h * d]`

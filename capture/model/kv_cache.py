@@ -2,11 +2,29 @@
 
 Rows are `max_reqs + 1`: row 0 is the padding slot's scratch (docs/design.md §2.2). A padded batch
 row (slot 0) writes there and reads from there, so it can never touch a request's row.
+
+The cache holds the model's dtype ("auto") or, opt-in, float8 e4m3 ("fp8"): half the bytes
+of bf16, so attention over long contexts, which streams the cache, reads half as much and the
+same memory holds twice the tokens. The kernels that append K/V round each value to nearest
+even on the e4m3 grid, saturating at +-448 as torch's cast does, with no scale (e4m3's range
+covers the K/V of Llama-family models); the kernels that read it widen it exactly to the model
+dtype. It changes outputs (3 mantissa bits where bf16 has 7), so it is a tuned setting, never
+the default.
 """
 
 from __future__ import annotations
 
 import torch
+
+# `--kv-cache-dtype` names; None: the model's own dtype.
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": torch.float8_e4m3fn}
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype the cache stores for a `KV_CACHE_DTYPES` name."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"KV cache dtype {name!r} is not supported; use one of {sorted(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name] or model_dtype
 
 
 class KVCache:

@@ -9,6 +9,7 @@ from typing import Optional
 import msgspec
 import torch
 
+from graphrelay.capture.model.kv_cache import resolve_kv_cache_dtype
 from graphrelay.capture.model.model import ModelConfig
 
 
@@ -22,16 +23,19 @@ class MemoryPlan(msgspec.Struct, frozen=True):
         return self.weights + self.kv_cache + self.iteration_buffers
 
 
-def plan_memory(c: ModelConfig, max_reqs: int, max_tokens: int, sampled_rows: int) -> MemoryPlan:
+def plan_memory(c: ModelConfig, max_reqs: int, max_tokens: int, sampled_rows: int,
+                kv_cache_dtype: str = "auto") -> MemoryPlan:
     """Bytes for `max_reqs` slots and iterations of up to `max_tokens` tokens with up to
-    `sampled_rows` sampled rows. Activations are counted generously (every layer's widest
-    tensor; the LM head's output and a float32 copy of it, as the controls make)."""
+    `sampled_rows` sampled rows, the KV cache in `kv_cache_dtype` (`capture.model.kv_cache`).
+    Activations are counted generously (every layer's widest tensor; the LM head's output and
+    a float32 copy of it, as the controls make)."""
     item = c.torch_dtype.itemsize
+    kv_item = resolve_kv_cache_dtype(kv_cache_dtype, c.torch_dtype).itemsize
     per_layer = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.hidden_size * c.num_heads * c.head_dim
     per_layer += 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
     embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
     weights = (c.num_layers * per_layer + embeddings + c.hidden_size) * item
-    kv_cache = 2 * c.num_layers * (max_reqs + 1) * c.max_seq_len * c.num_kv_heads * c.head_dim * item
+    kv_cache = 2 * c.num_layers * (max_reqs + 1) * c.max_seq_len * c.num_kv_heads * c.head_dim * kv_item
     widest = max(2 * c.intermediate_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size)
     buffers = max_tokens * 4 * widest * item + sampled_rows * c.vocab_size * (item + 4)
     return MemoryPlan(weights, kv_cache, buffers)

@@ -27,7 +27,7 @@ import torch
 from graphrelay.capture.kernels import gemv, gemv_tiles
 from graphrelay.capture.kernels.q_blocks import Q_BLOCK, q_blocks
 from graphrelay.capture.kernels.varlen_attention import PAGE, VarlenWorkspace, identity_block_table, varlen_attention
-from graphrelay.capture.model.kv_cache import KVCache
+from graphrelay.capture.model.kv_cache import KVCache, resolve_kv_cache_dtype
 from graphrelay.capture.model.linear_plan import SKINNY_ROWS, LinearPlan
 from graphrelay.config import DTYPES
 from graphrelay.runtime import to_device_async
@@ -274,14 +274,17 @@ class LlamaModel:
     tp: this rank's place in a tensor-parallel group (`capture.tensor_parallel`): the model
     then holds its share of the heads and MLP columns (`self.shard`) and all-reduces after
     the O and down projections. `self.config` stays the whole model's.
+    kv_cache_dtype: "auto" (the model's dtype) or "fp8" (`capture.model.kv_cache`).
     """
 
     def __init__(
         self, config: ModelConfig, max_reqs: int, device: torch.device | str, weights: "ModelWeights | None" = None,
         attention_buckets: Sequence[tuple[int, int]] | None = None, tp: "TensorParallel | None" = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         if not isinstance(max_reqs, int) or max_reqs < 1:
             raise ValueError(f"max_reqs must be a positive int, got {max_reqs!r}")
+        cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, config.torch_dtype)  # refused before anything is built
         self.config = config
         self.tp = tp
         world, rank = (tp.world, tp.rank) if tp is not None else (1, 0)
@@ -324,7 +327,7 @@ class LlamaModel:
         self.block_table = identity_block_table(max_reqs + 1, c.max_seq_len, math.gcd(c.max_seq_len, PAGE),
                                                 device=self.device)
         self.kv_cache = KVCache(
-            c.num_layers, max_reqs, c.max_seq_len, c.num_kv_heads, c.head_dim, c.torch_dtype, self.device
+            c.num_layers, max_reqs, c.max_seq_len, c.num_kv_heads, c.head_dim, cache_dtype, self.device
         )
         # Backend per projection and row count; the engine replaces it with a measured plan
         # (`LinearPlan.measured`) before it captures.

@@ -21,8 +21,8 @@ from graphrelay.capture.kernels.pdl import pdl_supported
 from graphrelay.capture.model.linear_plan import BACKENDS, PROJECTIONS, LinearPlan, candidate_tiles, time_projections
 from graphrelay.capture.model.model import LlamaModel, ModelConfig
 from graphrelay.tools.bench import bench_main
-from test_gemv import (check_early_equals_late, check_linear_residual, check_norm_gate_up_silu, check_norm_linear,
-                       check_norm_qkv_rotary, inputs)
+from test_gemv import (check_early_equals_late, check_float8_cache, check_linear_residual, check_norm_gate_up_silu,
+                       check_norm_linear, check_norm_qkv_rotary, inputs)
 from test_layer_kernels import EPS, SMOL, rotary_case
 
 pytestmark = pytest.mark.gpu
@@ -46,6 +46,11 @@ def test_norm_qkv_rotary(rows, with_residual):
     # 8 request rows x 64 positions: room for 64 distinct live [slot, position]s.
     check_norm_qkv_rotary(DEVICE, BF16, rows, SMOL.hidden, SMOL, with_residual=with_residual, cache_rows=9,
                           seq_len=64)
+
+
+@ROWS
+def test_norm_qkv_rotary_into_a_float8_cache(rows):
+    check_float8_cache(DEVICE, BF16, rows, SMOL.hidden)
 
 
 @ROWS

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from graphrelay.capture.kernels import layer_kernels as lk
-from test_layer_kernels import EPS, SMOL, check_rms_norm, check_rotary, check_silu_mul, randn, rotary_case
+from test_layer_kernels import (EPS, SMOL, check_rms_norm, check_rotary, check_rotary_float8, check_silu_mul, randn,
+                                rotary_case)
 
 pytestmark = pytest.mark.gpu
 
@@ -28,6 +29,11 @@ def test_rms_norm(n, with_residual):
 def test_rotary_and_cache_write(n):
     # 8 request rows x 2048 positions hold 8192 distinct live [slot, position]s.
     check_rotary(DEVICE, torch.bfloat16, SMOL, n, cache_rows=9, seq_len=2048)
+
+
+@pytest.mark.parametrize("n", [1, 17, 100])
+def test_rotary_into_a_float8_cache(n):
+    check_rotary_float8(DEVICE, torch.bfloat16, SMOL, n)
 
 
 @ROWS

@@ -91,3 +91,23 @@ def test_bf16_graph_tokens_match_transformers():
 def bf16_step(value: float) -> float:
     """The spacing of bf16 numbers at `value`'s magnitude (8 significant bits)."""
     return 2.0 ** (math.floor(math.log2(abs(value))) - 7) if value else 2.0 ** -133
+
+
+def test_a_float8_kv_cache_still_answers():
+    # The opt-in float8 KV cache (capture.model.kv_cache) changes the numerics, not the answers:
+    # the capital of France is still Paris, and every prompt gets its tokens.
+    path = resolve_gguf_path(None)
+    codec = TextCodec(path)
+    prompts = [codec.encode_chat([{"role": "user", "content": t}]) for t in PROMPTS]
+    config, weights = read_gguf(path, max_seq_len=256, dtype="bfloat16")
+    engine = Engine(EngineConfig(config, max_reqs=3, max_batch=4, max_tokens=256, device="cuda",
+                                 kv_cache_dtype="fp8"), weights=weights)
+    assert engine.model.kv_cache.keys[0].dtype == torch.float8_e4m3fn
+    engine.capture()
+    requests = [Request(id=str(i), prompt=p, max_new_tokens=NEW_TOKENS) for i, p in enumerate(prompts)]
+    result = ServingLoop(engine, "overlap").run(requests)
+    assert result.stats.graphs
+    for i in range(len(prompts)):
+        print(f"prompt {i}, float8 KV cache: {codec.decode(result.outputs[str(i)].tokens)!r}")
+        assert result.outputs[str(i)].tokens
+    assert "Paris" in codec.decode(result.outputs["0"].tokens)

@@ -93,6 +93,21 @@ def test_triton_matches_reference_bf16(case, q_block, cache):
     torch.testing.assert_close(got[covered], expected[covered], atol=2e-2, rtol=0)
 
 
+@pytest.mark.parametrize("case, q_block", [("decode-1", 1), ("decode-256", 1), ("mixed", Q_BLOCK)])
+def test_float8_cache_widens_to_bf16(case, q_block, cache):
+    # The opt-in float8 cache (capture.model.kv_cache): the kernel reads it as the reference
+    # reads the same values widened to bf16.
+    spans = CASES[case](seed=4)
+    batch = flat_batch(spans, heads=HEADS, head_dim=HEAD_DIM, dtype=torch.bfloat16, device=DEVICE,
+                       padding_tokens=PADDING_TOKENS, q_block=q_block)
+    table = identity_block_table(NUM_SLOTS, MAX_SEQ_LEN, device=DEVICE)
+    float8 = [c.to(torch.float8_e4m3fn) for c in cache]
+    got = attend(batch, *float8, table, workspace=workspace_for(batch, spans), q_block=q_block)
+    expected = attend(batch, *(c.to(torch.bfloat16) for c in float8), table, backend="torch", q_block=q_block)
+    covered = batch["covered"]
+    torch.testing.assert_close(got[covered], expected[covered], atol=2e-2, rtol=0)
+
+
 def test_permuted_block_table_reads_the_same_sequence(cache):
     spans = mixed_spans(seed=1)
     batch = flat_batch(spans, heads=HEADS, head_dim=HEAD_DIM, dtype=torch.bfloat16, device=DEVICE)

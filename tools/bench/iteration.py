@@ -25,6 +25,7 @@ import torch
 from graphrelay.capture.iteration.engine import Engine, EngineConfig
 from graphrelay.capture.iteration.sampling import SamplingParams
 from graphrelay.capture.iteration.spans import Span, decode_span, prefill_span
+from graphrelay.capture.model.kv_cache import KV_CACHE_DTYPES
 from graphrelay.capture.model.model import ModelConfig
 from graphrelay.runtime import Event
 from graphrelay.tools.bench import kernel_profile, options, results
@@ -45,6 +46,8 @@ def main(argv: list[str]) -> int:
     options.add_output_options(parser, "tiny model and shapes (works on CPU): checks the code paths only")
     parser.add_argument("--model", default="smollm2-135m", help="preset, random weights (default smollm2-135m)")
     parser.add_argument("--repeats", type=options.positive_int, default=20, help="launches per shape (median)")
+    parser.add_argument("--kv-cache-dtype", choices=sorted(KV_CACHE_DTYPES), default="auto",
+                        help="the KV cache's dtype: auto (the model's, the default) or fp8 (a tuned setting)")
     parser.add_argument("--profile", action="store_true",
                         help="also break each decode shape's iteration down by kernel (torch profiler)")
     try:
@@ -56,7 +59,7 @@ def main(argv: list[str]) -> int:
         return options.EXIT_USAGE
     scale = 16 if args.smoke else 1  # smoke: every shape 16x smaller
     engine = Engine(EngineConfig(model, max_reqs=256 // scale, max_batch=256 // scale, device=str(device),
-                                 use_graphs=device.type == "cuda"))
+                                 use_graphs=device.type == "cuda", kv_cache_dtype=args.kv_cache_dtype))
     capture = engine.capture()
     rows = measure(engine, scale, 2 if args.smoke else args.repeats)
     profiles = profile_decodes(engine, scale, 2 if args.smoke else 10) if args.profile else {}
@@ -64,7 +67,8 @@ def main(argv: list[str]) -> int:
     targets = [results.Target(f"{name} GPU time", limit, "ms", True, _row(rows, name)["gpu_ms"])
                for name, limit in TARGETS_MS.items() if not args.smoke]
     targets.append(results.Target("TTFT of one 128-token prompt, idle engine", TTFT_TARGET_MS, "ms", True, ttft))
-    payload = {"environment": results.environment(device, [COMMAND, *argv]), "model": "tiny" if args.smoke else args.model, "max_tokens": engine.max_tokens, "buckets": capture.buckets,
+    payload = {"environment": results.environment(device, [COMMAND, *argv]), "model": "tiny" if args.smoke else args.model,
+               "kv_cache_dtype": args.kv_cache_dtype, "max_tokens": engine.max_tokens, "buckets": capture.buckets,
                "graph_nodes": capture.nodes, "rows": rows, "ttft_ms": ttft,
                "kernel_profile": profiles,
                "targets": [t.as_dict() for t in targets]}

@@ -29,6 +29,7 @@ import torch
 from graphrelay.capture.iteration.engine import DEFAULT_MAX_TOKENS, Engine, EngineConfig
 from graphrelay.capture.kernels.varlen_attention import PAGE
 from graphrelay.capture.model.checkpoint import ModelFileError, resolve_gguf_path
+from graphrelay.capture.model.kv_cache import KV_CACHE_DTYPES
 from graphrelay.capture.model.model import MODEL_PRESETS, ModelConfig
 from graphrelay.capture.model.model_source import WEIGHT_SOURCES, LoadedModel, default_dtype, load_model, uses_gguf
 from graphrelay.capture.model.text import TextCodec
@@ -77,6 +78,7 @@ class Plan(msgspec.Struct, frozen=True):
     tp: tuple[int, ...] = ()  # tensor-parallel sizes to sweep at; () = one plain run
     max_tokens: int = DEFAULT_MAX_TOKENS  # in process: the engine's token budget per iteration
     client_procs: int = 1  # --url: client processes sending the requests (1 in process)
+    kv_cache_dtype: str = "auto"  # in process: the engine's KV cache dtype (capture.model.kv_cache)
 
 
 def rate_list(text: str) -> list[float]:
@@ -117,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=options.positive_int, default=None,
                         help=f"in process: the engine's token budget per iteration, its largest captured bucket "
                              f"(default {DEFAULT_MAX_TOKENS}, the engine's; a tuned run sets it beside the default's)")
+    parser.add_argument("--kv-cache-dtype", choices=sorted(KV_CACHE_DTYPES), default=None,
+                        help="in process: the engine's KV cache dtype, auto (the model's, the default) or fp8 "
+                             "(float8 e4m3: a tuned setting, reported beside the default's)")
     parser.add_argument("--model", choices=sorted(MODEL_PRESETS), default=None,
                         help=f"model preset (default smollm2-135m; with --tp {TP_MODEL}, --smoke tiny)")
     parser.add_argument("--tp", type=options.int_list, default=None, metavar="SIZES",
@@ -158,7 +163,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     elif not args.url.startswith(("http://", "https://")):
         raise options.UsageError(f"--url {args.url!r} must start with http:// or https://, e.g. http://127.0.0.1:8000")
     else:
-        sizing = (("--max-reqs", args.max_reqs), ("--max-tokens", args.max_tokens), ("--tp", args.tp))
+        sizing = (("--max-reqs", args.max_reqs), ("--max-tokens", args.max_tokens), ("--tp", args.tp),
+                  ("--kv-cache-dtype", args.kv_cache_dtype))
         engine_only = [flag for flag, value in sizing if value is not None]
         if engine_only:
             raise options.UsageError(f"{engine_only[0]} sizes the in-process engine; with --url the server has its "
@@ -174,7 +180,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
                 seed=args.seed, slo_ttft_ms=args.slo_ttft_ms, url=args.url.rstrip("/") if args.url else None,
                 served_model=args.served_model, prompt_format=args.prompt_format, timeout_s=args.timeout_s,
                 smoke=args.smoke, tp=tuple(args.tp or ()), client_procs=client_procs,
-                max_tokens=args.max_tokens or DEFAULT_MAX_TOKENS)
+                max_tokens=args.max_tokens or DEFAULT_MAX_TOKENS, kv_cache_dtype=args.kv_cache_dtype or "auto")
 
 
 def main(argv: list[str]) -> int:
@@ -233,7 +239,8 @@ def engine_config(plan: Plan, loaded: LoadedModel, device: torch.device) -> Engi
                                  f"holds {loaded.config.max_seq_len}; lower their HIGH ends")
     try:
         return EngineConfig(loaded.config, max_reqs=plan.max_reqs, max_batch=plan.max_reqs, device=str(device),
-                            use_graphs=device.type == "cuda", max_tokens=plan.max_tokens)
+                            use_graphs=device.type == "cuda", max_tokens=plan.max_tokens,
+                            kv_cache_dtype=plan.kv_cache_dtype)
     except ValueError as error:  # e.g. a budget below one decode iteration: the engine names both numbers
         raise options.UsageError(f"--max-tokens {plan.max_tokens} with --max-reqs {plan.max_reqs}: {error}") from None
 
