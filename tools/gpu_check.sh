@@ -108,6 +108,9 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
     # Issue 18's offline figure: 256 requests of the same workload all at once, random weights.
     step bench-offline "$py" -m graphrelay.tools.cli bench serve --rates inf --num-requests 256 --weights random \
         --out "$out/offline"
+    # Beside it, the tuned setting that reads half the KV bytes: a float8 cache.
+    step bench-offline-fp8 "$py" -m graphrelay.tools.cli bench serve --rates inf --num-requests 256 --weights random \
+        --kv-cache-dtype fp8 --out "$out/offline_fp8"
     if [ -n "$real_model" ]; then  # the HTTP server serves text: it needs the real model's tokenizer
         step bench-serve-http bash tools/bench_serve_http.sh "$py" "$out" ${GPU_CHECK_RATES:-25,50,100,200,400,800,1600,inf}
         # The same with the engine as a thread of the server's process (the default is its own
