@@ -61,6 +61,7 @@ def check_fits(plan: MemoryPlan, device: torch.device, ranks: int = 1) -> None:
         raise ValueError(
             f"this engine needs about {ranks * plan.total / gib:.1f} GiB on {device} ({each}KV cache {plan.kv_cache / gib:.1f} GiB, "
             f"weights {plan.weights / gib:.1f} GiB, iteration buffers {plan.iteration_buffers / gib:.1f} GiB) "
-            f"but {free / gib:.1f} GiB is free; lower --max-reqs or --max-seq-len (the KV cache), or "
+            f"but {free / gib:.1f} GiB is free; lower --max-reqs or --max-seq-len (the KV cache; --kv-cache-dtype fp8 "
+            f"stores it in half of bf16's bytes), or "
             f"--max-batch / --max-tokens{', or use a smaller model' if ranks > 1 else ''}"
         )
