@@ -105,20 +105,24 @@ def _round_to(v, ty: tl.constexpr):
         else:
             return v.to(ty, fp_downcast_rounding="rtne")
     elif ty == tl.float8e4nv:
-        # Saturating at e4m3's largest finite value, as torch's cast does (e4m3 has no infinity).
-        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+        # Saturating at e4m3's largest finite value, as torch's cast does (e4m3 has no infinity;
+        # NaN stays NaN).
+        v = tl.minimum(tl.maximum(v, -448.0, propagate_nan=tl.PropagateNan.ALL), 448.0,
+                       propagate_nan=tl.PropagateNan.ALL)
         if INTERPRETED:
             # The interpreter rounds ties away from zero: round onto the e4m3 grid here, in
             # float32, so its cast is exact. The grid step is 2^(e - 3) for an exponent e >= -6
             # (3 mantissa bits), 2^-9 below (subnormals); dividing by a power of two is exact,
             # and adding and taking away 2^23 rounds the magnitude's quotient to an integer,
-            # ties even. The sign goes back on by its bit, so a value rounded to zero keeps it.
+            # ties even. The sign goes back on by its bit, so a value rounded to zero keeps it;
+            # NaN, which the interpreter's cast would turn into a number, is e4m3's NaN pattern.
             bits = v.to(tl.uint32, bitcast=True)
             exponent = ((bits >> 23) & 0xFF).to(tl.int32) - 127
             step = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
             magnitude = ((tl.abs(v) / step + 8388608.0) - 8388608.0) * step
             rounded = magnitude.to(tl.uint32, bitcast=True) | (bits & 0x80000000)
-            return rounded.to(tl.float32, bitcast=True).to(ty)
+            nan = (((bits >> 24) & 0x80) | 0x7F).to(tl.uint8).to(ty, bitcast=True)
+            return tl.where(v != v, nan, rounded.to(tl.float32, bitcast=True).to(ty))
         else:
             return v.to(ty, fp_downcast_rounding="rtne")
     else:
