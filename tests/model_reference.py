@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from graphrelay.capture.kernels.layer_kernels import rotate
+from graphrelay.capture.kernels.layer_kernels import rotate, to_cache_dtype
 from graphrelay.capture.model.model import LayerWeights, LlamaModel, ModelConfig, rotary_table
 
 
@@ -49,7 +49,7 @@ def reference_logits(model: LlamaModel, token_ids: list[int]) -> torch.Tensor:
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         # K and V as the model's cache holds them: a float8 cache (capture.model.kv_cache)
         # rounds them, a cache of the model dtype leaves them as they are.
-        k, v = (t.to(model.kv_cache.keys[0].dtype).to(x.dtype) for t in (k, v))
+        k, v = (to_cache_dtype(t, model.kv_cache.keys[0].dtype).to(x.dtype) for t in (k, v))
         k = k.repeat_interleave(c.kv_groups, dim=1)  # [n, h, d]
         v = v.repeat_interleave(c.kv_groups, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) / math.sqrt(c.head_dim) + causal

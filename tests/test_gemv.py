@@ -285,7 +285,7 @@ def check_float8_cache(device, dtype, rows, k, tiles: gemv_tiles.Tiles | None = 
     (q, k_model, v_model), (q8, k8, v8) = results
     assert torch.equal(q, q8)
     for name, model, float8 in (("k", k_model, k8), ("v", v_model, v8)):
-        cast = model.to(torch.float8_e4m3fn)
+        cast = lk.to_cache_dtype(model, torch.float8_e4m3fn)
         assert torch.equal(float8.view(torch.uint8), cast.view(torch.uint8)), f"{tiles} {name}_cache"
     assert v8.float().abs().max() == 448.0 and v_model.float().abs().max() > 448.0
 

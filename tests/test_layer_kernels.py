@@ -248,7 +248,8 @@ def bytes_of(t: torch.Tensor) -> torch.Tensor:
 def check_rotary_float8(device: str, dtype: torch.dtype, shape: Shape, n: int) -> None:
     """An opt-in float8 cache (capture.model.kv_cache) holds what a model-dtype cache would,
     cast by torch (nearest even, ties included: a bf16 value ties on the e4m3 grid one time in
-    sixteen; saturating at +-448), in both backends; q is untouched by the cache's dtype."""
+    sixteen), saturating at +-448 (`to_cache_dtype`), in both backends; q is untouched by the
+    cache's dtype."""
     case = rotary_case(shape, n, dtype=dtype, device=device, cache_rows=6, seq_len=32)
     qkv = case.qkv.clone()
     # v beyond e4m3's range saturates; NaN stays NaN
@@ -260,7 +261,8 @@ def check_rotary_float8(device: str, dtype: torch.dtype, shape: Shape, n: int) -
         q, k_cache, v_cache = run_rotary(float8, shape, backend)
         assert torch.equal(q, q_ref), backend
         for name, got, want in (("k", k_cache, k_ref), ("v", v_cache, v_ref)):
-            assert torch.equal(bytes_of(got), bytes_of(want.to(torch.float8_e4m3fn))), f"{backend} {name}_cache"
+            assert torch.equal(bytes_of(got), bytes_of(lk.to_cache_dtype(want, torch.float8_e4m3fn))), \
+                f"{backend} {name}_cache"
     assert v_cache.float().nan_to_num().abs().max() == 448.0 and v_cache.float().isnan().sum() == 1
 
 

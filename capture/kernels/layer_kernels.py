@@ -48,6 +48,17 @@ CACHE_FLOAT8 = torch.float8_e4m3fn  # the opt-in KV cache dtype besides the mode
 SILU_BLOCK = 512  # intermediate 1536 -> 3 unmasked programs per row
 
 
+def to_cache_dtype(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K or V values as a cache of `dtype` stores them (the kernels' `_to_cache`): float8
+    saturates at its largest finite value (torch's CUDA cast would turn an overflow into NaN,
+    its CPU cast saturates), NaN stays NaN, rounding is to nearest even; the model's own dtype
+    is left as it is."""
+    if dtype == CACHE_FLOAT8:
+        largest = torch.finfo(dtype).max
+        values = values.clamp(-largest, largest)
+    return values.to(dtype)
+
+
 def _pick_backend(backend: str | None, x: torch.Tensor) -> str:
     if backend is None:
         return "triton" if x.is_cuda else "torch"
@@ -431,7 +442,7 @@ def _rotary_torch(qkv, rope_cos, rope_sin, positions, k_cache, v_cache, slots, n
     q, k = rotate(q, cos, sin), rotate(k, cos, sin)
     flat = slots.long() * seq_len + positions.long()  # rows of the [cache_rows * seq_len, kvh, d] view
     for cache, new in ((k_cache, k), (v_cache, v)):
-        new = new.to(cache.dtype)
+        new = to_cache_dtype(new, cache.dtype)
         if cache.dtype == CACHE_FLOAT8:  # index_copy_ has no float8 kernel on the CPU: copy the bytes
             cache, new = cache.view(torch.uint8), new.view(torch.uint8)
         cache.view(-1, kvh, d).index_copy_(0, flat, new)

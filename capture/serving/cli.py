@@ -132,9 +132,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=MODEL_DTYPES, default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
     p.add_argument("--max-seq-len", type=int, default=1024, help="KV cache length per request (default 1024)")
     p.add_argument("--kv-cache-dtype", choices=sorted(KV_CACHE_DTYPES), default="auto",
-                   help="the KV cache's dtype: auto = the model's; fp8 = float8 e4m3, half the bytes of bf16 "
-                        "(faster attention over long contexts, twice the tokens in the same memory; outputs "
-                        "change slightly)")
+                   help="the KV cache's dtype: auto = the model's; fp8 = float8 e4m3, half the bytes of bf16, so "
+                        "twice the tokens fit the same memory (outputs change slightly; on an H100 decode over "
+                        "long contexts ran ~8%% faster, long prompt chunks ~30%% slower)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="apply the model's chat template to text prompts (default: on)")
     p.add_argument("--spec", choices=("none", "ngram"), default="none",
