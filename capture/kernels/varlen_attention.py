@@ -50,6 +50,7 @@ from graphrelay.capture.kernels.attention import (
     attend_gathered,
     pick_num_splits,
 )
+from graphrelay.capture.kernels.layer_kernels import CACHE_FLOAT8
 from graphrelay.capture.kernels.pdl import pdl_supported
 from graphrelay.capture.kernels.q_blocks import Q_BLOCK, check_q_block, max_q_blocks
 
@@ -379,7 +380,7 @@ def _check_varlen_args(q, k_cache, v_cache, block_table, token_slot, token_pos,
                        q_block_start, q_block_len, out, max_len) -> int:
     """Metadata checks (no values read); returns the static key bound."""
     _check_cache_args(q, k_cache, v_cache, {"token_slot": token_slot, "token_pos": token_pos}, 3,
-                      cache_dtypes=(torch.float8_e4m3fn,))
+                      cache_dtypes=(CACHE_FLOAT8,))
     if out is None:
         raise ValueError("out is required: a preallocated [T, heads * head_dim] tensor")
     _check_out(out, q)

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import torch
 
+from graphrelay.capture.kernels.layer_kernels import CACHE_FLOAT8
+
 # `--kv-cache-dtype` names; None: the model's own dtype.
-KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": torch.float8_e4m3fn}
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": CACHE_FLOAT8}
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
