@@ -69,3 +69,40 @@ def test_a_smaller_load_leaves_no_stale_span_behind():
     assert v.span_slot.tolist() == [3, 0, 0] and v.span_decode.tolist() == [1, 0, 0]
     assert v.token_span.tolist() == [0, 2] and v.row_live.tolist() == [1, 0]
     assert torch.equal(v.q_block_len.ne(0).sum(), torch.tensor(1))
+
+
+def test_a_repeated_decode_load_lays_out_nothing_and_keeps_the_layout():
+    inputs = IterationInputs(max_tokens=32, max_spans=8, rows_per_span=1, device="cpu")
+    first = [decode_span(4, SamplingParams()), decode_span(6, SAMPLED)]
+    inputs.load(first, 2, 1)
+    v = inputs.narrow(2)
+    v.ids[:2] = torch.tensor([101, 102])  # what the step writes there: the relay's tokens
+    inputs.load(list(first), 2, 1)  # an equal list, not the same object
+    assert inputs.loads_skipped == 1
+    assert v.span_slot.tolist() == [4, 6, 0] and v.ids[:2].tolist() == [101, 102]
+    # Another slot, another sampling param, another bucket: each is laid out again.
+    for spans, bucket in (([decode_span(4, SamplingParams()), decode_span(7, SAMPLED)], 2),
+                          ([decode_span(4, SamplingParams()), decode_span(6, SamplingParams())], 2),
+                          ([decode_span(4, SamplingParams()), decode_span(6, SamplingParams())], 3)):
+        inputs.load(spans, bucket, 1)
+        assert inputs.loads_skipped == 1
+        assert inputs.narrow(bucket).span_slot[:2].tolist() == [s.slot for s in spans]
+    assert inputs.narrow(3).token_span.tolist() == [0, 1, inputs.geometry(3).spans]  # a padding token
+    inputs.load([decode_span(4, SamplingParams()), decode_span(6, SamplingParams())], 3, 1)
+    assert inputs.loads_skipped == 2
+
+
+def test_a_load_with_a_prompt_chunk_is_always_laid_out():
+    inputs = IterationInputs(max_tokens=32, max_spans=8, rows_per_span=1, device="cpu")
+    spans = [decode_span(4, SamplingParams()), prefill_span(2, SAMPLED, [11, 12, 13], 5, True)]
+    inputs.load(spans, 4, 1)
+    v = inputs.narrow(4)
+    v.ids[1:4] = 0
+    v.span_slot[1] = 9
+    inputs.load(spans, 4, 1)
+    assert inputs.loads_skipped == 0
+    assert v.ids[1:4].tolist() == [11, 12, 13] and v.span_slot[:2].tolist() == [4, 2]
+    # A decode-only load after it is laid out too: the last layout was not this one.
+    inputs.load([decode_span(4, SamplingParams())], 4, 1)
+    inputs.load([decode_span(4, SamplingParams())], 4, 1)
+    assert inputs.loads_skipped == 1 and v.span_slot[:2].tolist() == [4, 0]

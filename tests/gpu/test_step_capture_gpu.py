@@ -292,3 +292,18 @@ def test_staging_reuse_waits_for_pending_copies(twins):
     for i, slots in enumerate(batches):
         assert seen[i].tolist() == slots + [0] * (5 - len(slots)), f"load {i} of {slots} was overwritten"
     assert inputs.staging_waits > waits, "the loads never had to wait: the race was not exercised"
+
+
+def test_a_repeated_decode_load_leaves_the_device_layout_in_place(twins):
+    """Steady decode copies nothing: a load equal to the last one is skipped, and what a replay
+    reads is still that layout, even after another layout came and went in between."""
+    inputs = twins[0].stack.inputs
+    first, other = [decode_span(s, GREEDY) for s in (3, 9)], [decode_span(s, GREEDY) for s in (5,)]
+    skipped = inputs.loads_skipped
+    torch.cuda._sleep(SLEEP_CYCLES)  # the copies queue behind it
+    for spans in (first, other, first, first, first):
+        inputs.load(list(spans), 4, 1)
+    torch.cuda.synchronize()
+    assert inputs.loads_skipped == skipped + 2
+    assert inputs.buffers.span_slot[:3].tolist() == [3, 9, 0]
+    assert inputs.buffers.span_decode[:3].tolist() == [1, 1, 0]
