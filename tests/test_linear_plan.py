@@ -181,50 +181,28 @@ def test_greedy_tokens_equal_under_triton_and_mixed_plans(torch_run, backends, t
     torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
 
 
-def test_a_cublas_gate_up_hands_its_silu_to_a_triton_down(torch_run, monkeypatch):
-    """Gate/up on torch before a Triton down: no SiLU node; the down projection takes the raw
-    gate/up output and computes SiLU * up in its loads, and the tokens stay the torch plan's."""
-    expected_tokens, expected_logits = torch_run
-    gated = {"qkv": "triton", "o": "triton", "gate_up": "torch", "down": "triton"}
-    assert LinearPlan({8: gated}).ops(8, 1e-5).gated
-    assert LinearPlan({8: ALL_TORCH | {"down": "triton"}}).ops(8, 1e-5).gated
-    assert not any(LinearPlan({8: ALL_TORCH | {p: "triton"}}).ops(8, 1e-5).gated for p in ("qkv", "o", "gate_up"))
-    assert not LinearPlan({8: ALL_TRITON}).ops(8, 1e-5).gated
-    silu_nodes, gated_launches = [], []
-    silu_mul, launch = kernels.silu_mul, gemv._launch
-    monkeypatch.setattr(kernels, "silu_mul", lambda *a, **k: silu_nodes.append(1) or silu_mul(*a, **k))
-    monkeypatch.setattr(gemv, "_launch", lambda *a, **k: gated_launches.append(k.get("gated")) or launch(*a, **k))
-    tokens, logits = greedy_run(LinearPlan({8: gated}))
-    forwards, layers = len(PROMPTS) + STEPS, ModelConfig().num_layers
-    assert not silu_nodes
-    assert gated_launches.count(True) == forwards * layers
-    assert tokens == expected_tokens
-    torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
-
-
 # ----------------------------------------------------------------------------------------------
 # The start-up timing's gate: a candidate tiling must build and agree with the unfused path
 
 
-def gate_case(projection: str, rows: int = 20, gated: bool = False):
-    """A layer of the tiny model (float32, CPU) and what `time_projections` feeds the gate
-    (gated: down after a torch gate/up, from the raw gate/up output)."""
+def gate_case(projection: str, rows: int = 20):
+    """A layer of the tiny model (float32, CPU) and what `time_projections` feeds the gate."""
     model = LlamaModel(ModelConfig(), 2, "cpu")
     c = model.config
     gen = torch.Generator().manual_seed(rows)
     x, attn, act = (torch.randn(rows, width, generator=gen) for width in
-                    (c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size * (2 if gated else 1)))
+                    (c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size))
     positions = torch.arange(rows) % c.max_seq_len
     rotary = gemv.Rotary(model.rope_cos, model.rope_sin, positions, torch.zeros_like(positions),
                          model.kv_cache.keys[0], model.kv_cache.values[0], c.num_heads, c.num_kv_heads)
-    inputs = (x, attn, act, rotary, c.rms_eps, gemv_tiles.SplitKWorkspace(rows, c.hidden_size, "cpu"), None, gated)
+    inputs = (x, attn, act, rotary, c.rms_eps, gemv_tiles.SplitKWorkspace(rows, c.hidden_size, "cpu"), None)
     layer = model.layers[0]
     return layer, inputs, linear_plan._projection_output(projection, None, layer, *inputs)
 
 
-@pytest.mark.parametrize("projection,gated", [(p, False) for p in PROJECTIONS] + [("down", True)])
-def test_a_candidate_tiling_that_computes_the_projection_passes_the_gate(projection, gated, recwarn):
-    layer, inputs, reference = gate_case(projection, gated=gated)
+@pytest.mark.parametrize("projection", PROJECTIONS)
+def test_a_candidate_tiling_that_computes_the_projection_passes_the_gate(projection, recwarn):
+    layer, inputs, reference = gate_case(projection)
     split = projection in linear_plan.SPLIT_PROJECTIONS
     for tiles in linear_plan.candidate_tiles(20, 64, split=split)[-2:]:  # swapped, and split-K where it applies
         assert linear_plan._tiling_works(projection, 20, tiles, reference, layer, inputs), tiles

@@ -12,9 +12,6 @@ projections and their neighbours into four nodes:
                                        # add + norm + gate/up + SiLU * up
     stream      = linear_residual(act, down_w, stream, out=stream)      # down + residual add
 
-and, where gate/up runs on cuBLAS, `linear_residual(gate_up_out, down_w, stream, gated=True)`
-takes SiLU * up into the down projection's own loads (the SiLU node's values, one node fewer).
-
 and `norm_linear` is norm + projection alone. `residual=` is needed only when the previous
 projection left its update pending, as the torch path does (`capture/model/linear_plan.py`
 chains either form).
@@ -52,8 +49,7 @@ import triton
 import triton.language as tl
 
 from graphrelay.capture.kernels import layer_kernels as lk
-from graphrelay.capture.kernels.layer_kernels import (_check_rotary, _expect, _expect_2d, _pick_backend, _round_to,
-                                                      _silu_mul_values, _to_cache)
+from graphrelay.capture.kernels.layer_kernels import _check_rotary, _expect, _expect_2d, _pick_backend, _round_to, _to_cache
 from graphrelay.capture.kernels.gemv_tiles import SplitKWorkspace, Tiles, check_tiles, default_tiles
 from graphrelay.capture.kernels.pdl import resolve_pdl
 
@@ -151,19 +147,9 @@ def _epilogue_inputs(add_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, rows, row64, 
 
 
 # The row count and cache sizes vary by bucket and model: one compiled variant serves them all.
-@triton.jit
-def _gated_x(x_rows, cols, ok, K: tl.constexpr, dtype: tl.constexpr):
-    """One K step of x = silu(gate) * up from rows of `[gate | up]` (`[M, 2 K]`): the values
-    layer_kernels.silu_mul would store, so a gated projection equals the SiLU node + projection."""
-    gate = tl.load(x_rows + cols, mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(x_rows + K + cols, mask=ok, other=0.0).to(tl.float32)
-    return _silu_mul_values(gate, up, dtype)
-
-
 @triton.jit(do_not_specialize=("M", "table_rows", "cache_rows", "seq_len"))
 def _skinny_linear_kernel(
-    x_ptr,  # [M, K]: the input (NORM: the residual stream, or the pending update when HAS_RESIDUAL);
-    #         [M, 2 K] gate then up values when GATED (the product's input is silu(gate) * up)
+    x_ptr,  # [M, K]: the input (NORM: the residual stream, or the pending update when HAS_RESIDUAL)
     res_in_ptr,  # [M, K] residual stream added to x before the norm (HAS_RESIDUAL)
     res_out_ptr,  # [M, K] receives x + res_in (HAS_RESIDUAL); must not alias either input
     norm_w_ptr,  # [K] RMSNorm weight (NORM)
@@ -189,7 +175,6 @@ def _skinny_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NORM: tl.constexpr,
-    GATED: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     EPILOGUE: tl.constexpr,
     H: tl.constexpr,  # ROTARY: q heads, KV heads, head dim (N = (H + 2 KVH) D)
@@ -223,7 +208,7 @@ def _skinny_linear_kernel(
     ks = tl.arange(0, BLOCK_K)
     row_ok = rows[:, None] < M
     dtype = x_ptr.dtype.element_ty
-    x_rows = x_ptr + rows[:, None].to(tl.int64) * (2 * K if GATED else K)
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * K
     res_rows = res_in_ptr + rows[:, None].to(tl.int64) * K
     w_a = w_ptr + col_a[:, None].to(tl.int64) * K
     w_b = w_ptr + col_b[:, None].to(tl.int64) * K
@@ -296,10 +281,7 @@ def _skinny_linear_kernel(
         k_hi = tl.minimum(k_lo + K_STEPS * BLOCK_K, K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k_ok = row_ok & (k0 + ks[None, :] < K)
-        if GATED:
-            x = _gated_x(x_rows, k0 + ks[None, :], k_ok, K, dtype)
-        else:
-            x = tl.load(x_rows + k0 + ks[None, :], mask=k_ok, other=0.0)
+        x = tl.load(x_rows + k0 + ks[None, :], mask=k_ok, other=0.0)
         if NORM:
             if HAS_RESIDUAL:
                 r = tl.load(res_rows + k0 + ks[None, :], mask=k_ok, other=0.0)
@@ -383,13 +365,15 @@ def _skinny_linear_kernel(
         if EPILOGUE == 1:
             y = y + base
         elif EPILOGUE == 2:
-            y = _silu_mul_values(ya, yb, dtype).to(tl.float32)  # layer_kernels.silu_mul's values
+            # layer_kernels.silu_mul's math: silu rounded to the model dtype, then `* up`.
+            silu = _round_to(tl.div_rn(ya, 1.0 + tl.exp(-ya)), dtype)
+            y = silu.to(tl.float32) * yb
         tl.store(out_ptr + row64 * N + col_a[None, :], _round_to(y, dtype), mask=out_ok)
 
 
 def _launch(x, weight, out, *, n, epilogue, pdl, norm_weight=None, eps=0.0, residual=None, residual_out=None,
-            add=None, rotary=None, tiles=None, workspace=None, gated=False):
-    m, k = x.shape[0], weight.shape[1]  # gated: x is [m, 2 k]
+            add=None, rotary=None, tiles=None, workspace=None):
+    m, k = x.shape
     if tiles is None:
         tiles = default_tiles(m, k)
     block_m, block_n, block_k, warps, fma, early, swap, split_k = check_tiles(tiles)
@@ -411,7 +395,7 @@ def _launch(x, weight, out, *, n, epilogue, pdl, norm_weight=None, eps=0.0, resi
         x if norm_weight is None else norm_weight, weight, out if add is None else add, out,
         rot.cos, rot.sin, rot.positions, rot.slots, rot.k_cache, rot.v_cache, part, done,
         m, eps, rot.cos.shape[0], cache_rows, seq_len,
-        N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None, GATED=gated,
+        N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
         HAS_RESIDUAL=residual is not None, EPILOGUE=epilogue, H=rot.num_heads, KVH=rot.num_kv_heads, D=d,
         # NOTE: the interpreter multiplies bfloat16 dot operands as their raw uint16 bits: upcast there.
         DOT_F32=x.dtype == torch.float32 or not x.is_cuda, FMA=fma, EARLY=fma or early, SWAP=swap,
@@ -576,32 +560,22 @@ def linear_residual(
     pdl: bool | None = None,
     tiles: Tiles | None = None,
     workspace: SplitKWorkspace | None = None,
-    gated: bool = False,
 ) -> torch.Tensor:
     """`residual + x @ weight.T` with the projection rounded to the model dtype first (as the
     model's `update = x @ w.T; stream = update + stream`): x `[m, k]`, weight `[n, k]`, residual
     `[m, n]`. `out` may be `residual` itself (an in-place update of the stream). `pdl`, `tiles`
     as in `norm_linear`; a split-K tiling uses `workspace` (one allocated per call when None,
-    so pass one under capture).
-
-    gated: x is `[m, 2 k]`, gate values then up values (a gate/up projection's raw output), and
-    the product's input is `layer_kernels.silu_mul(x)`: the down projection takes SwiGLU's
-    product in its own loads, one node fewer than the SiLU node + projection, same values."""
-    if not isinstance(gated, bool):
-        raise ValueError(f"linear_residual gated must be a bool, got {gated!r}")
-    m, width = _expect_2d("linear_residual x", x)
+    so pass one under capture)."""
+    m, k = _expect_2d("linear_residual x", x)
     dev, dtypes = x.device, (x.dtype,)
-    k = width // 2 if gated else width
-    if gated and width % 2:
-        raise ValueError(f"linear_residual gated x must be [m, 2 k] (gate values, then up values), got width {width}")
-    _expect("linear_residual x", x, (m, width), dtypes, dev)
+    _expect("linear_residual x", x, (m, k), dtypes, dev)
     n, _ = _expect_2d("linear_residual weight", weight)
     _expect("linear_residual weight", weight, (n, k), dtypes, dev)
     _expect("linear_residual residual", residual, (m, n), dtypes, dev)
     if out is not None:
         _expect("linear_residual out", out, (m, n), dtypes, dev)
     if _pick_backend(backend, x) == "torch":
-        return torch.add((lk.silu_mul(x) if gated else x) @ weight.T, residual, out=out)
+        return torch.add(x @ weight.T, residual, out=out)
     out = torch.empty_like(residual) if out is None else out
     return _launch(x, weight, out, n=n, epilogue=EPILOGUE_RESIDUAL, pdl=resolve_pdl(pdl, x), add=residual,
-                   tiles=tiles, workspace=workspace, gated=gated)
+                   tiles=tiles, workspace=workspace)

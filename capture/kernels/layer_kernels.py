@@ -253,15 +253,6 @@ def _rotary_cache_kernel(
 
 
 @triton.jit
-def _silu_mul_values(gate, up, dtype: tl.constexpr):
-    """silu(gate) * up from float32 gate and up, rounded as torch's `silu(gate) * up` in the
-    model dtype: x / (1 + exp(-x)) in float32, rounded to the model dtype, then `* up`, rounded.
-    Every kernel that computes SwiGLU's product uses it, so their values agree bit for bit."""
-    silu = _round_to(tl.div_rn(gate, 1.0 + tl.exp(-gate)), dtype)
-    return _round_to(silu.to(tl.float32) * up, dtype)
-
-
-@triton.jit
 def _silu_mul_kernel(
     gate_up_ptr,  # [n, 2 * INTER]: gate, then up
     out_ptr,  # [n, INTER]
@@ -274,7 +265,9 @@ def _silu_mul_kernel(
     dtype = out_ptr.dtype.element_ty
     gate = tl.load(gate_up_ptr + row * (2 * INTER) + cols, mask=mask).to(tl.float32)
     up = tl.load(gate_up_ptr + row * (2 * INTER) + INTER + cols, mask=mask).to(tl.float32)
-    tl.store(out_ptr + row * INTER + cols, _silu_mul_values(gate, up, dtype), mask=mask)
+    # torch's silu: x / (1 + exp(-x)) in float32, rounded to the model dtype; then `* up`.
+    silu = _round_to(tl.div_rn(gate, 1.0 + tl.exp(-gate)), dtype)
+    tl.store(out_ptr + row * INTER + cols, _round_to(silu.to(tl.float32) * up, dtype), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -62,8 +62,7 @@ AGREEMENT = 2.0**-5
 
 class ProjectionTiming(msgspec.Struct, frozen=True):
     """GPU microseconds per call of one projection at one row count, each backend; triton_us
-    is its fastest tiling's, `tiles` (None: the kernel's default tiling). Down at a row count
-    whose gate/up runs on torch counts SiLU * up in both (LayerOps.gated)."""
+    is its fastest tiling's, `tiles` (None: the kernel's default tiling)."""
 
     rows: int
     projection: str
@@ -96,20 +95,13 @@ class LayerOps:
         """-> (pending update or None, stream)."""
         return self._projection("o", attn, layer.o, stream)
 
-    @property
-    def gated(self) -> bool:
-        """Gate/up on cuBLAS feeding a Triton down projection: SiLU * up runs in the down's
-        loads (`gemv.linear_residual(gated=True)`), not as a node of its own."""
-        return self.backends["gate_up"] == "torch" and self.backends["down"] == "triton"
-
     def gate_up(self, update, stream, layer: "LayerWeights"):
-        """-> (silu(gate) * up `[n, inter]`, or when `gated` the raw gate/up `[n, 2 inter]`;
-        stream with `update` added)."""
-        fused = gemv.norm_linear if self.gated else gemv.norm_gate_up_silu
-        return self._norm_projection(fused, "gate_up", update, stream, layer.mlp_norm, layer.gate_up)
+        """-> (silu(gate) * up `[n, inter]`, stream with `update` added)."""
+        return self._norm_projection(gemv.norm_gate_up_silu, "gate_up", update, stream, layer.mlp_norm,
+                                     layer.gate_up)
 
     def down(self, act, stream, layer: "LayerWeights"):
-        """-> (pending update or None, stream); act as `gate_up` returned it."""
+        """-> (pending update or None, stream)."""
         return self._projection("down", act, layer.down, stream)
 
     def final_norm(self, update, stream, weight: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -131,8 +123,7 @@ class LayerOps:
             # Left pending: the next norm adds it in its own node (layer_kernels.rms_norm).
             return self.reduce(x @ weight.T), stream
         return None, gemv.linear_residual(x, weight, stream, out=stream, backend="triton", pdl=self.pdl,
-                                          tiles=self.tiles.get(projection), workspace=self.workspace,
-                                          gated=projection == "down" and self.gated)
+                                          tiles=self.tiles.get(projection), workspace=self.workspace)
 
 
 _MEASURED: dict[tuple, "LinearPlan"] = {}  # LinearPlan.measured's, per shape and row counts
@@ -311,30 +302,22 @@ def time_projections(model: "LlamaModel", sizes: Sequence[int], *, stream: torch
             stream_x, update = rand(c.hidden_size), rand(c.hidden_size)
             gate_stream = stream_x.clone()
             attn, act = rand(c.num_heads * c.head_dim), rand(c.intermediate_size)
-            gate_up_out = rand(2 * c.intermediate_size)
             positions = torch.arange(rows, device=model.device) % c.max_seq_len
             rotary = gemv.Rotary(model.rope_cos, model.rope_sin, positions, torch.zeros_like(positions),
                                  model.kv_cache.keys[0], model.kv_cache.values[0], c.num_heads, c.num_kv_heads)
             for projection in PROJECTIONS:
-                # Gate/up on cuBLAS at these rows (timed just before): its SiLU * up goes with the
-                # down projection, a node of its own before cuBLAS or in a Triton down's loads
-                # (LayerOps.gated), and both of down's timings include it.
-                gated = projection == "down" and timings[-1].faster == "torch"
                 k = {"o": c.num_heads * c.head_dim, "down": c.intermediate_size}.get(projection, c.hidden_size)
                 tilings = candidate_tiles(rows, k, split=projection in SPLIT_PROJECTIONS)
                 variants = [("torch", None)] + [("triton", t) for t in tilings]
                 # The gate's own copy of the stream: the timed O / down calls update stream_x in place.
-                inputs = (gate_stream, attn, gate_up_out if gated else act, rotary, c.rms_eps, workspace, pdl, gated)
+                inputs = (gate_stream, attn, act, rotary, c.rms_eps, workspace, pdl)
                 reference = _projection_output(projection, None, layers[0], *inputs)
                 times = []
                 for backend, tiles in variants:
                     if tiles is not None and not _tiling_works(projection, rows, tiles, reference, layers[0], inputs):
                         times.append(math.inf)
                         continue
-                    backends = dict.fromkeys(PROJECTIONS, backend)
-                    if gated:
-                        backends["gate_up"] = "torch"
-                    ops = LayerOps(backends, c.rms_eps, lambda t: t, pdl,
+                    ops = LayerOps(dict.fromkeys(PROJECTIONS, backend), c.rms_eps, lambda t: t, pdl,
                                    dict.fromkeys(PROJECTIONS, tiles) if tiles else None, workspace)
                     pending = update if backend == "torch" else None
                     call = {
@@ -343,9 +326,6 @@ def time_projections(model: "LlamaModel", sizes: Sequence[int], *, stream: torch
                         "gate_up": lambda layer: ops.gate_up(pending, stream_x, layer),
                         "down": lambda layer: ops.down(act, stream_x, layer),
                     }[projection]
-                    if gated:
-                        call = {"torch": lambda layer: ops.down(kernels.silu_mul(gate_up_out), stream_x, layer),
-                                "triton": lambda layer: ops.down(gate_up_out, stream_x, layer)}[backend]
                     times.append(_graph_us(call, layers, stream, flush))
                 best = min(range(1, len(variants)), key=times.__getitem__)
                 timings.append(ProjectionTiming(rows, projection, times[0], times[best], variants[best][1]))
@@ -353,18 +333,16 @@ def time_projections(model: "LlamaModel", sizes: Sequence[int], *, stream: torch
 
 
 def _projection_output(projection: str, tiles: Tiles | None, layer: "LayerWeights", x, attn, act, rotary,
-                       eps: float, workspace: SplitKWorkspace, pdl: bool | None, gated: bool) -> torch.Tensor:
+                       eps: float, workspace: SplitKWorkspace, pdl: bool | None) -> torch.Tensor:
     """One projection's fused output on the same inputs for either path: the unfused torch
-    path (tiles None) or the Triton kernel in `tiles`; O and down out of place (gated: down
-    from gate/up's raw output `act`)."""
+    path (tiles None) or the Triton kernel in `tiles`; O and down out of place."""
     options = dict(backend="torch") if tiles is None else dict(backend="triton", tiles=tiles, pdl=pdl)
     if projection == "qkv":
         return gemv.norm_qkv_rotary(x, layer.attn_norm, layer.qkv, eps, rotary, **options)
     if projection == "gate_up":
         return gemv.norm_gate_up_silu(x, layer.mlp_norm, layer.gate_up, eps, **options)
     activation, weight = (attn, layer.o) if projection == "o" else (act, layer.down)
-    return gemv.linear_residual(activation, weight, x, **options, gated=gated and projection == "down",
-                                **({} if tiles is None else {"workspace": workspace}))
+    return gemv.linear_residual(activation, weight, x, **options, **({} if tiles is None else {"workspace": workspace}))
 
 
 def _tiling_works(projection: str, rows: int, tiles: Tiles, reference: torch.Tensor,

@@ -67,7 +67,6 @@ def test_norm_gate_up_silu(rows, with_residual):
 @ROWS
 def test_down_residual(rows):
     check_linear_residual(DEVICE, BF16, rows, SMOL.inter, SMOL.hidden)
-    check_linear_residual(DEVICE, BF16, rows, SMOL.inter, SMOL.hidden, gated=True)  # after a cuBLAS gate/up
 
 
 def test_pdl_is_on_for_hopper_and_changes_no_bit():
@@ -130,17 +129,13 @@ SPLIT_PLAN = LinearPlan({8: dict.fromkeys(PROJECTIONS, "triton")},
                                    "down": gemv_tiles.Tiles(16, 32, 128, 4, False, split_k=4)}})
 
 
-# cuBLAS gate/up before a Triton down: SiLU * up in the down projection's loads (LayerOps.gated).
-GATED_PLAN = LinearPlan({8: dict.fromkeys(PROJECTIONS, "triton") | {"gate_up": "torch"}})
-
-
-@pytest.mark.parametrize("plan_kind", ["triton", "measured", "split-k", "gated"])
+@pytest.mark.parametrize("plan_kind", ["triton", "measured", "split-k"])
 def test_captured_decode_replays_eager_bit_for_bit(plan_kind):
     """Decode over 8 rows (7 live slots and a padding row) captured once; each replay on fresh
     tokens and positions leaves the logits and the KV cache exactly as the eager call does.
     With PDL on (Hopper) under the all-Triton plan, every projection is a PDL launch."""
     model = smol_model()
-    model.plan = {"triton": lambda: LinearPlan.fixed("triton"), "split-k": lambda: SPLIT_PLAN, "gated": lambda: GATED_PLAN,
+    model.plan = {"triton": lambda: LinearPlan.fixed("triton"), "split-k": lambda: SPLIT_PLAN,
                   "measured": lambda: LinearPlan.measured(model, [1, 8, 64])}[plan_kind]()
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(4, 40, (7,), generator=gen).tolist()
@@ -270,5 +265,3 @@ def test_every_candidate_tiling_equals_unfused_at_smollm2_shape(rows):
     for k in (SMOL.heads * SMOL.head_dim, SMOL.inter):  # O, down
         for tiles in candidate_tiles(rows, k, split=True):
             check_linear_residual(DEVICE, BF16, rows, k, SMOL.hidden, tiles=tiles)
-    for tiles in candidate_tiles(rows, SMOL.inter, split=True):  # down after a cuBLAS gate/up
-        check_linear_residual(DEVICE, BF16, rows, SMOL.inter, SMOL.hidden, tiles=tiles, gated=True)
