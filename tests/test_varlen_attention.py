@@ -68,6 +68,7 @@ def span_mixes(draw):
     padding_tokens=st.integers(0, 3),
     page=st.sampled_from([8, PAGE, 32]),
     permuted=st.booleans(),
+    tableless=st.booleans(),
     num_splits=st.sampled_from([1, 2, 3]),
     q_block=st.sampled_from([1, 4, Q_BLOCK]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
@@ -75,7 +76,7 @@ def span_mixes(draw):
     data=st.data(),
 )
 def test_triton_matches_reference_and_naive_loop(spans, group, kv_heads, padding_tokens, page, permuted,
-                                                 num_splits, q_block, dtype, settled, data):
+                                                 tableless, num_splits, q_block, dtype, settled, data):
     heads = group * kv_heads
     num_tokens = sum(length for *_, length in spans) + padding_tokens
     order = data.draw(st.permutations(range(max_q_blocks(num_tokens, len(spans), q_block))), label="block order")
@@ -85,7 +86,9 @@ def test_triton_matches_reference_and_naive_loop(spans, group, kv_heads, padding
     if permuted:
         (k_cache, table), (v_cache, _) = (permuted_pages(c, page, seed=3) for c in (k_logical, v_logical))
     else:
-        k_cache, v_cache, table = k_logical, v_logical, identity_block_table(NUM_SLOTS, MAX_SEQ_LEN, page)
+        # tableless: no table at all, each slot's own contiguous rows (what the identity table maps).
+        k_cache, v_cache = k_logical, v_logical
+        table = None if tableless else identity_block_table(NUM_SLOTS, MAX_SEQ_LEN, page)
 
     expected = run(batch, k_cache, v_cache, table, backend="torch", q_block=q_block)
     # One key tile per split: every block past its first tile splits (up to num_splits ways).
@@ -257,6 +260,17 @@ def test_max_q_blocks_bounds_every_batch_of_its_bucket(lengths, spare, q_block):
     covered = sorted(t for start, length in zip(block_start, block_len) for t in range(start, start + length))
     assert covered == list(range(sum(lengths)))
     assert all(0 <= length <= q_block for length in block_len)
+
+
+@pytest.mark.parametrize("num_splits,q_block", [(1, 1), (3, 1), (1, Q_BLOCK), (2, Q_BLOCK)])
+def test_no_table_reads_what_the_identity_table_maps_bit_for_bit(num_splits, q_block):
+    batch, k_cache, v_cache, table = small_case(torch.bfloat16, q_block=q_block)
+    for backend in ("torch", "triton"):
+        options = dict(backend=backend, q_block=q_block, **({"num_splits": num_splits, "split_tiles": 1}
+                                                           if backend == "triton" else {}))
+        paged = run(batch, k_cache, v_cache, table, **options)
+        tableless = run(batch, k_cache, v_cache, None, **options)
+        torch.testing.assert_close(tableless, paged, atol=0, rtol=0, equal_nan=True)
 
 
 def test_identity_block_table():

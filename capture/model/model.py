@@ -17,7 +17,6 @@ row 0.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -26,7 +25,7 @@ import torch
 
 from graphrelay.capture.kernels import gemv, gemv_tiles
 from graphrelay.capture.kernels.q_blocks import Q_BLOCK, q_blocks
-from graphrelay.capture.kernels.varlen_attention import PAGE, VarlenWorkspace, identity_block_table, varlen_attention
+from graphrelay.capture.kernels.varlen_attention import VarlenWorkspace, varlen_attention
 from graphrelay.capture.model.kv_cache import KVCache, resolve_kv_cache_dtype
 from graphrelay.capture.model.linear_plan import SKINNY_ROWS, LinearPlan
 from graphrelay.config import DTYPES
@@ -322,10 +321,6 @@ class LlamaModel:
         if attention_buckets:
             self.attention_out = torch.zeros(max(tokens for tokens, _ in attention_buckets), c.num_heads * c.head_dim,
                                              dtype=c.torch_dtype, device=self.device)
-        # K/V are read through a per-slot page table; this round it maps each slot to its own
-        # contiguous range of the cache, so a paged cache can follow without a new kernel.
-        self.block_table = identity_block_table(max_reqs + 1, c.max_seq_len, math.gcd(c.max_seq_len, PAGE),
-                                                device=self.device)
         self.kv_cache = KVCache(
             c.num_layers, max_reqs, c.max_seq_len, c.num_kv_heads, c.head_dim, cache_dtype, self.device
         )
@@ -363,7 +358,9 @@ class LlamaModel:
 
         def attend(index: int, q: torch.Tensor) -> torch.Tensor:  # q [T, h, d]
             return varlen_attention(
-                q, self.kv_cache.keys[index], self.kv_cache.values[index], self.block_table, slots, positions,
+                # No block table: each slot owns a contiguous range of the cache, whose rows the
+                # kernel computes instead of loading (a paged cache would pass its table here).
+                q, self.kv_cache.keys[index], self.kv_cache.values[index], None, slots, positions,
                 q_block_start, q_block_len, scale=self.scale, workspace=self.attention_workspace, q_block=q_block,
                 max_len=max_len, out=self._attention_out(q.shape[0]),
                 # The caller wrote the metadata before this forward; the QKV kernel runs between.

@@ -116,6 +116,8 @@ def test_permuted_block_table_reads_the_same_sequence(cache):
     (k_paged, table), (v_paged, _) = (permuted_pages(c, 16, seed=2) for c in cache)
     # Same keys in the same order through another table: the same kernel arithmetic.
     assert torch.equal(attend(batch, k_paged, v_paged, table, workspace), identity)
+    # And with no table (each slot's contiguous rows, the engine's cache), computed not loaded.
+    assert torch.equal(attend(batch, *cache, None, workspace), identity)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 16])
