@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphrelay.capture.iteration.inputs import IterationInputs, land
+from graphrelay.capture.iteration.inputs import IterationInputs
 from graphrelay.capture.iteration.sampling import SamplingParams
 from graphrelay.capture.iteration.spans import decode_span, prefill_span
 
@@ -107,14 +107,3 @@ def test_a_load_with_a_prompt_chunk_is_always_laid_out():
     inputs.load([decode_span(4, SamplingParams())], 4, 1)
     assert inputs.loads_skipped == 1 and v.span_slot[:2].tolist() == [4, 0]
 
-
-def test_land_moves_every_byte_and_refuses_unequal_buffers():
-    src = torch.randint(0, 256, (8 * 2050,), dtype=torch.uint8)  # two programs' worth and a bit
-    dst = torch.zeros_like(src)
-    land(src, dst)
-    assert torch.equal(dst, src)
-    for bad in (torch.zeros(8 * 2049, dtype=torch.uint8), torch.zeros(8 * 2050, dtype=torch.int8)):
-        with pytest.raises(ValueError, match="land copies equal uint8 buffers"):
-            land(src, bad)
-    with pytest.raises(ValueError, match="multiple of 8 bytes"):
-        land(src[:12], torch.zeros(12, dtype=torch.uint8))
