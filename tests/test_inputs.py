@@ -106,4 +106,3 @@ def test_a_load_with_a_prompt_chunk_is_always_laid_out():
     inputs.load([decode_span(4, SamplingParams())], 4, 1)
     inputs.load([decode_span(4, SamplingParams())], 4, 1)
     assert inputs.loads_skipped == 1 and v.span_slot[:2].tolist() == [4, 0]
-
