@@ -71,6 +71,8 @@ def test_candidate_tiles_are_valid_and_cover_the_rows(rows, k):
         assert max(tiles.block_m, tiles.block_n) <= gemv_tiles.SPLIT_TILE_MAX or tiles.split_k == 1
         if tiles.fma:  # CUDA-core tiles only for decode-sized batches, never more rows than padded to
             assert rows <= 16 and tiles.block_m <= max(4, triton.next_power_of_2(rows))
+        # The deeper pipeline only beyond 64 rows, where the captured step measured it faster.
+        assert tiles.stages == (linear_plan.DEEP_STAGES if rows > 64 else gemv_tiles.TC_STAGES)
 
 
 @pytest.mark.parametrize("choices,default,match", [

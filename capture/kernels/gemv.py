@@ -27,7 +27,7 @@ loads its first (usually whole-K) weight tile into registers and a tensor-core t
 its weight rows, so the fetch overlaps the previous kernel's tail; nothing an earlier kernel
 writes is read, and nothing is written, before the wait. Each program then lets the next
 kernel launch. Off under the interpreter and on GPUs or Triton builds without it. The
-tensor-core tiles' K loop is software-pipelined by Triton (`TC_STAGES` deep), x and weights
+tensor-core tiles' K loop is software-pipelined by Triton (`Tiles.stages` deep), x and weights
 alike. A swapped tile (`Tiles.swap`) runs the same loop as `w @ x.T`: the weight rows take the
 dot's M side, which Hopper's warpgroup MMA needs in steps of 64, however few the x rows. A
 split-K tile (`Tiles.split_k`, `linear_residual` only) shares an output tile's K steps among
@@ -53,12 +53,9 @@ from graphrelay.capture.kernels.layer_kernels import _check_rotary, _expect, _ex
 from graphrelay.capture.kernels.gemv_tiles import SplitKWorkspace, Tiles, check_tiles, default_tiles
 from graphrelay.capture.kernels.pdl import resolve_pdl
 
-# Software-pipeline depth of the tensor-core tiles' K loop (`num_stages`): 4 was the fastest of
-# 2-4 at every projection and row count of a sweep on the H200 (results/skinny_stages_h200.txt).
-# Each stage buffers a K step of x and of the weight tiles in shared memory, so float32 (tests
-# and CPU-sized presets on a GPU) keeps 2: the widest candidate tile at 4 would pass Hopper's
-# 227 KB.
-TC_STAGES = 4
+# A tensor-core tile's pipeline depth is its `Tiles.stages`. Each stage buffers a K step of x and
+# of the weight tiles in shared memory, so float32 (tests and CPU-sized presets on a GPU) keeps at
+# most 2: the widest candidate tile at 4 would pass Hopper's 227 KB.
 TC_STAGES_FLOAT32 = 2
 EPILOGUE_NONE, EPILOGUE_RESIDUAL, EPILOGUE_SILU_MUL, EPILOGUE_ROTARY = 0, 1, 2, 3
 
@@ -301,7 +298,7 @@ def _skinny_linear_kernel(
             if EPILOGUE >= 2:
                 wb = tl.load(w_b + k0 + BLOCK_K + ks[None, :], mask=next_ok, other=0.0)
         else:
-            # Plain loads in the loop: Triton's pipeliner issues them TC_STAGES steps ahead as
+            # Plain loads in the loop: Triton's pipeliner issues them `stages` steps ahead as
             # async copies, x included (a hand-written one-step weight prefetch left each step
             # waiting a memory latency for x: 1.2-2x slower at 16-256 rows on the H200).
             w_ok_k = w_ok & (k0 + ks[None, :] < K)
@@ -376,7 +373,7 @@ def _launch(x, weight, out, *, n, epilogue, pdl, norm_weight=None, eps=0.0, resi
     m, k = x.shape
     if tiles is None:
         tiles = default_tiles(m, k)
-    block_m, block_n, block_k, warps, fma, early, swap, split_k = check_tiles(tiles)
+    block_m, block_n, block_k, warps, fma, early, swap, split_k, stages = check_tiles(tiles)
     if split_k > 1 and (epilogue != EPILOGUE_RESIDUAL or norm_weight is not None):
         raise ValueError(f"split_k tilings serve linear_residual only (O and down projections), got {tiles}")
     part = done = x
@@ -390,6 +387,7 @@ def _launch(x, weight, out, *, n, epilogue, pdl, norm_weight=None, eps=0.0, resi
     d = rot.k_cache.shape[3] if rotary else 2
     cache_rows, seq_len = rot.k_cache.shape[:2] if rotary else (0, 0)
     extra = {"launch_pdl": True} if pdl else {}
+    pipeline = {} if fma else {"num_stages": stages if x.element_size() <= 2 else min(stages, TC_STAGES_FLOAT32)}
     _skinny_linear_kernel[(triton.cdiv(tile_cols, block_n), triton.cdiv(m, block_m), split_k)](
         x, x if residual is None else residual, x if residual_out is None else residual_out,
         x if norm_weight is None else norm_weight, weight, out if add is None else add, out,
@@ -403,7 +401,7 @@ def _launch(x, weight, out, *, n, epilogue, pdl, norm_weight=None, eps=0.0, resi
         # Without PDL "before the wait" is just earlier: the same values (so the interpreter runs it too).
         SETTLED=bool(rotary is not None and rotary.settled),
         LINE=128 // weight.element_size(), LINES=triton.next_power_of_2(triton.cdiv(k * weight.element_size(), 128)),
-        num_warps=warps, **({} if fma else {"num_stages": TC_STAGES if x.element_size() <= 2 else TC_STAGES_FLOAT32}),
+        num_warps=warps, **pipeline,
         # a*b + c*d contracted to an FMA would round the rotation differently from torch.
         enable_fp_fusion=epilogue != EPILOGUE_ROTARY, **extra,
     )

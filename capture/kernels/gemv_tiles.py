@@ -19,6 +19,11 @@ FMA_MAX_ROWS = 16
 FMA_TILE = 4096
 FMA_MAX_K = 2048
 MAX_SPLIT_K = 8  # programs a split-K tiling shares an output tile's K steps among, at most
+# K steps in flight in a tensor-core tile's pipelined loop: 4 was the fastest of 2-4 at every
+# projection and row count of a sweep on the H200 (results/skinny_stages_h200.txt); MAX_STAGES
+# bounds the shared memory the deepest may buffer.
+TC_STAGES = 4
+MAX_STAGES = 8
 SPLIT_TILE_MAX = 128  # the widest block_m / block_n a split-K tiling may use (workspace sizing)
 
 
@@ -35,7 +40,9 @@ class Tiles(NamedTuple):
     O and down), each output tile's K steps shared by that many programs, so the grid fills
     more of the GPU; their partial products meet in a `SplitKWorkspace` and the last to finish
     sums them in a fixed order and adds the residual. Each distinct Tiles compiles its own
-    kernel variant."""
+    kernel variant. `stages`: how many K steps of a tensor-core tile's loop Triton's pipeliner keeps
+    in flight (float32 launches keep at most gemv.TC_STAGES_FLOAT32: their steps are twice the
+    bytes); FMA tiles take their whole K in one or a few steps and ignore it."""
 
     block_m: int
     block_n: int
@@ -45,6 +52,7 @@ class Tiles(NamedTuple):
     early: bool = False
     swap: bool = False
     split_k: int = 1
+    stages: int = TC_STAGES
 
 
 def default_tiles(m: int, k: int) -> Tiles:
@@ -55,7 +63,7 @@ def default_tiles(m: int, k: int) -> Tiles:
         # program or more per SM even for the narrowest projection.
         block_k = min(triton.next_power_of_2(k), FMA_MAX_K)
         return Tiles(1, max(2, FMA_TILE // block_k), block_k, 4, True)
-    # Short K steps the pipeliner keeps TC_STAGES deep: at 16-64 rows the H200 sweep's fastest,
+    # Short K steps the pipeliner keeps `stages` deep: at 16-64 rows the H200 sweep's fastest,
     # or within 10% of it, for every projection; 64-row blocks beyond.
     return Tiles(16 if m <= 64 else 64, 32, 64, 4, False)
 
@@ -72,6 +80,8 @@ def check_tiles(tiles: object) -> Tiles:
         raise ValueError(f"a tensor-core tile needs block_m, block_n, block_k >= 16, got {tiles}; or set fma=True")
     if tiles.fma and tiles.swap:
         raise ValueError(f"swap transposes a tensor-core product; an FMA tile has none, got {tiles}")
+    if not isinstance(tiles.stages, int) or isinstance(tiles.stages, bool) or not 1 <= tiles.stages <= MAX_STAGES:
+        raise ValueError(f"tiles stages must be an int in 1..{MAX_STAGES}, got {tiles}")
     split = tiles.split_k
     if not isinstance(split, int) or isinstance(split, bool) or not 1 <= split <= MAX_SPLIT_K:
         raise ValueError(f"tiles split_k must be an int in 1..{MAX_SPLIT_K}, got {tiles}")

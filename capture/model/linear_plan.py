@@ -225,6 +225,13 @@ def model_shape(model: "LlamaModel") -> dict[str, int | str]:
 # Measurement
 
 
+# Beyond 64 rows the tensor-core tilings keep 8 K steps in flight, not 4: in the captured step on
+# the H100 decode at 256 rows took 3.4% less time (1.020 against 1.056 ms), where the same depth
+# at 64 rows cost 3-4% (results/deep_stages_h100.txt). Start-up's isolated timings did not show
+# the gain, so the depth is set per regime here rather than offered to the timing.
+DEEP_STAGES = 8
+
+
 def candidate_tiles(rows: int, k: int, split: bool = False) -> list[Tiles]:
     """The Triton tilings start-up timing tries for a projection of `rows` rows and K = k
     (split: an O or down projection, which split-K tilings can serve).
@@ -234,8 +241,8 @@ def candidate_tiles(rows: int, k: int, split: bool = False) -> list[Tiles]:
     results/tiles_sweep_h200.txt, then the pipelined tensor-core loop at 16 / 64 / 256 rows,
     results/skinny_stages_h200.txt). Up to 4 rows: one program per row pair or quad on the
     CUDA cores, the whole K in one step. 5-16: the same at 4 rows, or the smallest tensor-core
-    tiles. Beyond: tensor-core tiles with short K steps (the pipeliner keeps TC_STAGES of them
-    in flight), wider or taller with the row count; beyond 64 rows each also with its epilogue
+    tiles. Beyond: tensor-core tiles with short K steps (the pipeliner keeps `Tiles.stages` of
+    them in flight), wider or taller with the row count; beyond 64 rows each also with its epilogue
     inputs requested before the K loop (`Tiles.early`: on the H100 6% faster at 256 decode rows,
     3% slower at 64).
 
@@ -268,6 +275,8 @@ def candidate_tiles(rows: int, k: int, split: bool = False) -> list[Tiles]:
         # (results/tiles_sweep_h100.txt), 7% ahead of 4 warps.
         tiles = plain + [t._replace(early=True) for t in plain] + [Tiles(64, 64, 64, 8, False)]
         splits = [Tiles(64, 32, 128, 4, False, split_k=2), Tiles(64, 32, 128, 4, False, split_k=4)]
+        tiles = [t._replace(stages=DEEP_STAGES) for t in tiles]
+        splits = [t._replace(stages=DEEP_STAGES) for t in splits]
     return tiles + splits if split else tiles
 
 
