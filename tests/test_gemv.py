@@ -373,6 +373,30 @@ def test_bad_tiles_are_rejected_before_a_launch(tiles, match):
     assert torch.equal(stream, t["stream"])
 
 
+@pytest.mark.parametrize("tiles,norm,asked", [
+    # What the H100 (Triton 3.6) asked of shared memory for the tilings it refused at 8 stages,
+    # each a norm projection with a residual (results/deep_stages_h100.txt).
+    (gemv_tiles.Tiles(64, 32, 128, 4, False, stages=8), True, 368640),  # gate/up
+    (gemv_tiles.Tiles(64, 64, 64, 4, False, stages=8), True, 254848),  # gate/up
+])
+def test_pipeline_bytes_bound_what_the_h100_asked(tiles, norm, asked):
+    assert asked <= gemv_tiles.pipeline_bytes(tiles, norm) <= asked + 2048
+
+
+def test_pipeline_bytes_follow_stages_operands_and_dtype():
+    tile = gemv_tiles.Tiles(64, 32, 64, 4, False, stages=8)
+    # Those the H100 built at 8 stages fit its 227 KB; a norm projection's step buffers twice the rows.
+    assert gemv_tiles.pipeline_bytes(tile, norm=True) <= 232448
+    assert gemv_tiles.pipeline_bytes(gemv_tiles.Tiles(64, 32, 128, 4, False, stages=8), norm=False) <= 232448
+    step = gemv_tiles.pipeline_bytes(tile._replace(stages=2), norm=False) - gemv_tiles.PIPELINE_OVERHEAD_BYTES
+    assert step == (64 + 32) * 64 * 2
+    assert gemv_tiles.pipeline_bytes(tile, norm=True) == 7 * 2 * step + gemv_tiles.PIPELINE_OVERHEAD_BYTES
+    # float32 keeps at most TC_STAGES_FLOAT32 steps of twice the bytes; FMA tiles buffer no steps.
+    assert gemv_tiles.pipeline_stages(tile, 4) == gemv_tiles.TC_STAGES_FLOAT32 < gemv_tiles.pipeline_stages(tile, 2)
+    assert gemv_tiles.pipeline_bytes(tile, norm=False, element_bytes=4) == 2 * step + gemv_tiles.PIPELINE_OVERHEAD_BYTES
+    assert gemv_tiles.pipeline_bytes(gemv_tiles.Tiles(1, 4, 1024, 4, True), norm=True) == 0
+
+
 # ----------------------------------------------------------------------------------------------
 # The torch twins are the model's math
 

@@ -50,13 +50,9 @@ import triton.language as tl
 
 from graphrelay.capture.kernels import layer_kernels as lk
 from graphrelay.capture.kernels.layer_kernels import _check_rotary, _expect, _expect_2d, _pick_backend, _round_to, _to_cache
-from graphrelay.capture.kernels.gemv_tiles import SplitKWorkspace, Tiles, check_tiles, default_tiles
+from graphrelay.capture.kernels.gemv_tiles import SplitKWorkspace, Tiles, check_tiles, default_tiles, pipeline_stages
 from graphrelay.capture.kernels.pdl import resolve_pdl
 
-# A tensor-core tile's pipeline depth is its `Tiles.stages`. Each stage buffers a K step of x and
-# of the weight tiles in shared memory, so float32 (tests and CPU-sized presets on a GPU) keeps at
-# most 2: the widest candidate tile at 4 would pass Hopper's 227 KB.
-TC_STAGES_FLOAT32 = 2
 EPILOGUE_NONE, EPILOGUE_RESIDUAL, EPILOGUE_SILU_MUL, EPILOGUE_ROTARY = 0, 1, 2, 3
 
 
@@ -387,7 +383,7 @@ def _launch(x, weight, out, *, n, epilogue, pdl, norm_weight=None, eps=0.0, resi
     d = rot.k_cache.shape[3] if rotary else 2
     cache_rows, seq_len = rot.k_cache.shape[:2] if rotary else (0, 0)
     extra = {"launch_pdl": True} if pdl else {}
-    pipeline = {} if fma else {"num_stages": stages if x.element_size() <= 2 else min(stages, TC_STAGES_FLOAT32)}
+    pipeline = {} if fma else {"num_stages": pipeline_stages(tiles, x.element_size())}
     _skinny_linear_kernel[(triton.cdiv(tile_cols, block_n), triton.cdiv(m, block_m), split_k)](
         x, x if residual is None else residual, x if residual_out is None else residual_out,
         x if norm_weight is None else norm_weight, weight, out if add is None else add, out,

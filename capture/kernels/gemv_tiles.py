@@ -24,6 +24,12 @@ MAX_SPLIT_K = 8  # programs a split-K tiling shares an output tile's K steps amo
 # bounds the shared memory the deepest may buffer.
 TC_STAGES = 4
 MAX_STAGES = 8
+# Each stage buffers a K step of x and of the weight tiles in shared memory, so float32 (tests and
+# CPU-sized presets on a GPU) keeps at most 2: the widest candidate tile at 4 would pass Hopper's 227 KB.
+TC_STAGES_FLOAT32 = 2
+# What Triton 3.6 asks beyond a tile's `stages - 1` buffered K steps: 24-25 KB in the three
+# tilings the H100 refused at 8 stages, which asked 248, 249 and 360 KB (results/deep_stages_h100.txt).
+PIPELINE_OVERHEAD_BYTES = 26 * 1024
 SPLIT_TILE_MAX = 128  # the widest block_m / block_n a split-K tiling may use (workspace sizing)
 
 
@@ -41,8 +47,8 @@ class Tiles(NamedTuple):
     more of the GPU; their partial products meet in a `SplitKWorkspace` and the last to finish
     sums them in a fixed order and adds the residual. Each distinct Tiles compiles its own
     kernel variant. `stages`: how many K steps of a tensor-core tile's loop Triton's pipeliner keeps
-    in flight (float32 launches keep at most gemv.TC_STAGES_FLOAT32: their steps are twice the
-    bytes); FMA tiles take their whole K in one or a few steps and ignore it."""
+    in flight (float32 launches keep at most TC_STAGES_FLOAT32: their steps are twice the
+    bytes; `pipeline_stages`); FMA tiles take their whole K in one or a few steps and ignore it."""
 
     block_m: int
     block_n: int
@@ -66,6 +72,25 @@ def default_tiles(m: int, k: int) -> Tiles:
     # Short K steps the pipeliner keeps `stages` deep: at 16-64 rows the H200 sweep's fastest,
     # or within 10% of it, for every projection; 64-row blocks beyond.
     return Tiles(16 if m <= 64 else 64, 32, 64, 4, False)
+
+
+def pipeline_stages(tiles: Tiles, element_bytes: int) -> int:
+    """The K steps a tensor-core launch of `tiles` keeps in flight for operands of that many bytes."""
+    return tiles.stages if element_bytes <= 2 else min(tiles.stages, TC_STAGES_FLOAT32)
+
+
+def pipeline_bytes(tiles: Tiles, norm: bool, element_bytes: int = 2) -> int:
+    """Shared memory a tensor-core launch of `tiles` asks, at most (0 for an FMA tile, whose K steps
+    are not pipelined): Triton buffers `stages - 1` K steps of each load in the loop, plus its own.
+    A step loads an x tile and a weight tile; a norm projection's (`norm`) also loads x's residual
+    and a second weight tile (gate and up, or QKV's rotary halves), counted whether or not a call
+    passes the residual: the step passes one where the projection before it ran on torch. Within
+    2 KB above what the H100 reported for the tilings it refused (PIPELINE_OVERHEAD_BYTES)."""
+    if tiles.fma:
+        return 0
+    rows = 2 * (tiles.block_m + tiles.block_n) if norm else tiles.block_m + tiles.block_n
+    step = rows * tiles.block_k * element_bytes
+    return (pipeline_stages(tiles, element_bytes) - 1) * step + PIPELINE_OVERHEAD_BYTES
 
 
 def check_tiles(tiles: object) -> Tiles:

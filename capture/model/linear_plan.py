@@ -39,7 +39,7 @@ import torch
 import triton
 
 from graphrelay.capture.kernels import gemv
-from graphrelay.capture.kernels.gemv_tiles import FMA_MAX_K, SplitKWorkspace, Tiles, check_tiles
+from graphrelay.capture.kernels.gemv_tiles import FMA_MAX_K, SplitKWorkspace, Tiles, check_tiles, pipeline_bytes
 from graphrelay.capture.kernels import layer_kernels as kernels
 
 if TYPE_CHECKING:
@@ -226,10 +226,20 @@ def model_shape(model: "LlamaModel") -> dict[str, int | str]:
 
 
 # Beyond 64 rows the tensor-core tilings keep 8 K steps in flight, not 4: in the captured step on
-# the H100 decode at 256 rows took 3.4% less time (1.020 against 1.056 ms), where the same depth
-# at 64 rows cost 3-4% (results/deep_stages_h100.txt). Start-up's isolated timings did not show
-# the gain, so the depth is set per regime here rather than offered to the timing.
+# the H100 decode at 256 rows took 1.3-3.4% less time (1.020 against 1.056 ms; 2.167 against 2.199
+# over 512 keys), where the same depth at 64 rows cost 3-4% (results/deep_stages_h100.txt).
+# Start-up's isolated timings did not show the gain, so the depth is set per regime here rather
+# than offered to the timing, for the tilings whose buffers that deep fit the H100's and the
+# H200's shared memory (227 KB a block); the others keep TC_STAGES.
 DEEP_STAGES = 8
+DEEP_SHARED_MEMORY_BYTES = 232448
+
+
+def _deepened(tiles: Tiles, split: bool) -> Tiles:
+    """`tiles` at DEEP_STAGES where that fits DEEP_SHARED_MEMORY_BYTES, else unchanged (split: O
+    or down, no norm prologue: fewer buffers a K step)."""
+    deep = tiles._replace(stages=DEEP_STAGES)
+    return deep if pipeline_bytes(deep, norm=not split) <= DEEP_SHARED_MEMORY_BYTES else tiles
 
 
 def candidate_tiles(rows: int, k: int, split: bool = False) -> list[Tiles]:
@@ -275,8 +285,8 @@ def candidate_tiles(rows: int, k: int, split: bool = False) -> list[Tiles]:
         # (results/tiles_sweep_h100.txt), 7% ahead of 4 warps.
         tiles = plain + [t._replace(early=True) for t in plain] + [Tiles(64, 64, 64, 8, False)]
         splits = [Tiles(64, 32, 128, 4, False, split_k=2), Tiles(64, 32, 128, 4, False, split_k=4)]
-        tiles = [t._replace(stages=DEEP_STAGES) for t in tiles]
-        splits = [t._replace(stages=DEEP_STAGES) for t in splits]
+        tiles = [_deepened(t, split) for t in tiles]
+        splits = [_deepened(t, True) for t in splits]
     return tiles + splits if split else tiles
 
 
@@ -288,7 +298,9 @@ def time_projections(model: "LlamaModel", sizes: Sequence[int], *, stream: torch
     a chain of its own calls takes: torch with a pending update to add (its add + norm node),
     Triton without. The QKV projection includes the rotary and K/V append, into padding slot
     0's cache rows. A tiling that fails to compile on this GPU, or whose output disagrees with
-    the unfused path's (`AGREEMENT`), is not a choice: skipped with a warning naming it."""
+    the unfused path's (`AGREEMENT`), is not a choice: skipped with a warning naming it. So is one
+    whose buffers exceed this GPU's shared memory (`gemv_tiles.pipeline_bytes`), silently: it is
+    timed without a residual, which the step may pass it, and it must build with one too."""
     if model.device.type != "cuda":
         raise ValueError(f"time_projections needs a CUDA model, got one on {model.device}")
     bad = [s for s in sizes if not isinstance(s, int) or s < 1]
@@ -301,6 +313,8 @@ def time_projections(model: "LlamaModel", sizes: Sequence[int], *, stream: torch
     flush = torch.empty(torch.cuda.get_device_properties(model.device).L2_cache_size, dtype=torch.uint8,
                         device=model.device)
     workspace = SplitKWorkspace(max(sizes), c.hidden_size, model.device)
+    shared_memory = triton.runtime.driver.active.utils.get_device_properties(model.device.index)["max_shared_mem"]
+    element_bytes = torch.empty(0, dtype=c.torch_dtype).element_size()
     with torch.cuda.stream(stream), torch.no_grad():
         for rows in sorted(set(sizes)):
             gen = torch.Generator(device=model.device).manual_seed(rows)
@@ -322,8 +336,14 @@ def time_projections(model: "LlamaModel", sizes: Sequence[int], *, stream: torch
                 inputs = (gate_stream, attn, act, rotary, c.rms_eps, workspace, pdl)
                 reference = _projection_output(projection, None, layers[0], *inputs)
                 times = []
+                norm = projection not in SPLIT_PROJECTIONS
+
+                def usable(tiles: Tiles) -> bool:
+                    return (pipeline_bytes(tiles, norm, element_bytes) <= shared_memory
+                            and _tiling_works(projection, rows, tiles, reference, layers[0], inputs))
+
                 for backend, tiles in variants:
-                    if tiles is not None and not _tiling_works(projection, rows, tiles, reference, layers[0], inputs):
+                    if tiles is not None and not usable(tiles):
                         times.append(math.inf)
                         continue
                     ops = LayerOps(dict.fromkeys(PROJECTIONS, backend), c.rms_eps, lambda t: t, pdl,
