@@ -4,6 +4,8 @@ all-Triton or mixed plans (interpreted) give the same greedy tokens in float32."
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import triton
@@ -94,6 +96,17 @@ def test_deep_pipelines_only_where_the_h100_built_them(rows):
     for k in (576, 1536):  # O, down
         split = linear_plan.candidate_tiles(rows, k, split=True)
         assert deep(split) == {(t.block_m, t.block_n, t.block_k) for t in split} and not shallow(split)
+
+
+def test_tiles_fit_counts_the_norm_projections_buffers_and_the_dtype():
+    deep = gemv_tiles.Tiles(64, 64, 64, 4, False, stages=linear_plan.DEEP_STAGES)
+    h100 = 232448
+    # On the H100 this gate/up asked 254,848 bytes; O and down built it.
+    assert not linear_plan.tiles_fit(deep, "gate_up", torch.bfloat16, h100)
+    assert not linear_plan.tiles_fit(deep, "qkv", torch.bfloat16, h100)  # with the residual the step may pass
+    assert all(linear_plan.tiles_fit(deep, projection, torch.bfloat16, h100) for projection in ("o", "down"))
+    assert linear_plan.tiles_fit(deep, "gate_up", torch.float32, h100)  # float32 keeps 2 stages
+    assert linear_plan.shared_memory_bytes(torch.device("cpu")) == math.inf
 
 
 @pytest.mark.parametrize("choices,default,match", [

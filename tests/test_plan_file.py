@@ -8,6 +8,7 @@ import json
 
 import msgspec
 import pytest
+import torch
 
 from graphrelay.capture.iteration.engine import Engine, EngineConfig
 from graphrelay.capture.kernels import gemv_tiles
@@ -100,6 +101,25 @@ def test_a_broken_file_is_refused(tmp_path, measured, text, match):
     path.write_text(text)
     with pytest.raises(ValueError, match=match):
         plan_file.load_or_measure(path, model, [1, 16])
+
+
+def test_a_tiling_too_deep_for_this_gpu_is_refused_before_capture(tmp_path, measured, monkeypatch):
+    """A file may name a tiling whose buffers, with the residual the step may pass, exceed this GPU's
+    shared memory (one written before the depth was bounded): refused with the fix, not left to fail
+    as a compiler error at capture."""
+    path, model = tmp_path / "plan.json", LlamaModel(TINY, 2, "cpu")
+    plan_file.load_or_measure(path, model, [1, 16])
+    record = json.loads(path.read_text())
+    deep = gemv_tiles.Tiles(64, 64, 64, 4, False, stages=8)
+    record["tiles"]["1"]["gate_up"] = list(deep)
+    path.write_text(json.dumps(record))
+    element_bytes = torch.empty(0, dtype=model.shard.torch_dtype).element_size()
+    needs = gemv_tiles.pipeline_bytes(deep, norm=True, element_bytes=element_bytes)
+    monkeypatch.setattr(plan_file, "shared_memory_bytes", lambda device: needs)  # just enough
+    assert plan_file.load_plan(path, model, [1, 16]).tiles_for(1)["gate_up"] == deep
+    monkeypatch.setattr(plan_file, "shared_memory_bytes", lambda device: needs - 1)
+    with pytest.raises(ValueError, match="gate_up at 1 rows.*more shared memory than this GPU has.*delete the file"):
+        plan_file.load_plan(path, model, [1, 16])
 
 
 def test_engine_capture_reads_and_writes_the_file(tmp_path):

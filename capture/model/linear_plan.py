@@ -242,6 +242,21 @@ def _deepened(tiles: Tiles, split: bool) -> Tiles:
     return deep if pipeline_bytes(deep, norm=not split) <= DEEP_SHARED_MEMORY_BYTES else tiles
 
 
+def shared_memory_bytes(device: torch.device) -> float:
+    """The shared memory a block may have on `device` (what Triton checks a launch against);
+    unbounded off CUDA, where no launch is compiled for a GPU."""
+    if device.type != "cuda":
+        return math.inf
+    return triton.runtime.driver.active.utils.get_device_properties(device.index)["max_shared_mem"]
+
+
+def tiles_fit(tiles: Tiles, projection: str, dtype: torch.dtype, shared_memory: float) -> bool:
+    """Whether `projection` in `tiles` builds within `shared_memory`, with the residual the step
+    may pass it (`gemv_tiles.pipeline_bytes`; a norm projection unless O or down)."""
+    element_bytes = torch.empty(0, dtype=dtype).element_size()
+    return pipeline_bytes(tiles, projection not in SPLIT_PROJECTIONS, element_bytes) <= shared_memory
+
+
 def candidate_tiles(rows: int, k: int, split: bool = False) -> list[Tiles]:
     """The Triton tilings start-up timing tries for a projection of `rows` rows and K = k
     (split: an O or down projection, which split-K tilings can serve).
@@ -299,8 +314,8 @@ def time_projections(model: "LlamaModel", sizes: Sequence[int], *, stream: torch
     Triton without. The QKV projection includes the rotary and K/V append, into padding slot
     0's cache rows. A tiling that fails to compile on this GPU, or whose output disagrees with
     the unfused path's (`AGREEMENT`), is not a choice: skipped with a warning naming it. So is one
-    whose buffers exceed this GPU's shared memory (`gemv_tiles.pipeline_bytes`), silently: it is
-    timed without a residual, which the step may pass it, and it must build with one too."""
+    whose buffers exceed this GPU's shared memory (`tiles_fit`), silently: it is timed without a
+    residual, which the step may pass it, and it must build with one too."""
     if model.device.type != "cuda":
         raise ValueError(f"time_projections needs a CUDA model, got one on {model.device}")
     bad = [s for s in sizes if not isinstance(s, int) or s < 1]
@@ -313,8 +328,7 @@ def time_projections(model: "LlamaModel", sizes: Sequence[int], *, stream: torch
     flush = torch.empty(torch.cuda.get_device_properties(model.device).L2_cache_size, dtype=torch.uint8,
                         device=model.device)
     workspace = SplitKWorkspace(max(sizes), c.hidden_size, model.device)
-    shared_memory = triton.runtime.driver.active.utils.get_device_properties(model.device.index)["max_shared_mem"]
-    element_bytes = torch.empty(0, dtype=c.torch_dtype).element_size()
+    shared_memory = shared_memory_bytes(model.device)
     with torch.cuda.stream(stream), torch.no_grad():
         for rows in sorted(set(sizes)):
             gen = torch.Generator(device=model.device).manual_seed(rows)
@@ -336,10 +350,9 @@ def time_projections(model: "LlamaModel", sizes: Sequence[int], *, stream: torch
                 inputs = (gate_stream, attn, act, rotary, c.rms_eps, workspace, pdl)
                 reference = _projection_output(projection, None, layers[0], *inputs)
                 times = []
-                norm = projection not in SPLIT_PROJECTIONS
 
                 def usable(tiles: Tiles) -> bool:
-                    return (pipeline_bytes(tiles, norm, element_bytes) <= shared_memory
+                    return (tiles_fit(tiles, projection, c.torch_dtype, shared_memory)
                             and _tiling_works(projection, rows, tiles, reference, layers[0], inputs))
 
                 for backend, tiles in variants:

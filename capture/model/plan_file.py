@@ -20,7 +20,7 @@ import torch
 
 from graphrelay.capture.files import write_atomically
 from graphrelay.capture.kernels import gemv_tiles
-from graphrelay.capture.model.linear_plan import LinearPlan, model_shape
+from graphrelay.capture.model.linear_plan import LinearPlan, model_shape, shared_memory_bytes, tiles_fit
 
 if TYPE_CHECKING:
     from graphrelay.capture.model.model import LlamaModel
@@ -69,6 +69,16 @@ def load_plan(path: Path, model: "LlamaModel", rows: Sequence[int]) -> LinearPla
             raise ValueError(f"kernel plan {path} was measured for {what} {theirs[what]}, this engine has {value}; "
                              f"pass another path (a missing file is measured and written), or delete this one")
     try:
-        return LinearPlan(record.choices, default=record.default, tiles=record.tiles)
+        plan = LinearPlan(record.choices, default=record.default, tiles=record.tiles)
     except ValueError as exc:
         raise ValueError(f"kernel plan {path}: {exc}") from None
+    # A file from an older version may name a tiling too deep for this GPU with the residual the step
+    # may pass it: refused here, not as a compiler error at capture.
+    shared_memory = shared_memory_bytes(model.device)
+    for rows_planned, by_projection in plan.tiles.items():
+        for projection, tiles in by_projection.items():
+            if not tiles_fit(tiles, projection, model.shard.torch_dtype, shared_memory):
+                raise ValueError(f"kernel plan {path}: {projection} at {rows_planned} rows in {tiles} needs more "
+                                 f"shared memory than this GPU has ({shared_memory} bytes a block); delete the file "
+                                 f"and the next start measures and writes a new one")
+    return plan
