@@ -53,9 +53,12 @@ fi
 } > "$out/summary.md" 2>&1
 
 status=0
+selected() {  # selected NAME: whether GPU_CHECK_ONLY (when set) names the step
+    [ -z "${GPU_CHECK_ONLY:-}" ] || [[ " $GPU_CHECK_ONLY " == *" $1 "* ]]
+}
 step() {  # step NAME COMMAND...: run, log to OUT/NAME.log, note the result in the summary
     local name=$1; shift
-    if [ -n "${GPU_CHECK_ONLY:-}" ] && [[ " $GPU_CHECK_ONLY " != *" $name "* ]]; then return 0; fi
+    selected "$name" || return 0
     local start=$SECONDS
     # GPU_CHECK_STEP_TIMEOUT=S bounds each step (a hung step must not eat the whole call)
     if [ -n "${GPU_CHECK_STEP_TIMEOUT:-}" ]; then
@@ -82,7 +85,7 @@ archive() {
 # The suite needs the test extras the device lacks: pytest collects modules that import jsonschema, and
 # the controls' GPU tests compile grammars with outlines-core. Without them it runs for minutes into errors.
 missing=$("$py" -c 'import importlib.util as u; print(" ".join(m for m in ("jsonschema", "outlines_core") if u.find_spec(m) is None))')
-if [ -n "$missing" ] && { [ -z "${GPU_CHECK_ONLY:-}" ] || [[ " $GPU_CHECK_ONLY " == *" gpu-tests "* ]]; }; then
+if [ -n "$missing" ] && selected gpu-tests; then
     echo "- gpu-tests: FAILED before running: missing module(s) $missing; ship their wheels in a .whl*/ folder (see the header)" \
         >> "$out/summary.md"
     status=1

@@ -253,8 +253,7 @@ def shared_memory_bytes(device: torch.device) -> float:
 def tiles_fit(tiles: Tiles, projection: str, dtype: torch.dtype, shared_memory: float) -> bool:
     """Whether `projection` in `tiles` builds within `shared_memory`, with the residual the step
     may pass it (`gemv_tiles.pipeline_bytes`; a norm projection unless O or down)."""
-    element_bytes = torch.empty(0, dtype=dtype).element_size()
-    return pipeline_bytes(tiles, projection not in SPLIT_PROJECTIONS, element_bytes) <= shared_memory
+    return pipeline_bytes(tiles, projection not in SPLIT_PROJECTIONS, dtype.itemsize) <= shared_memory
 
 
 def candidate_tiles(rows: int, k: int, split: bool = False) -> list[Tiles]:
