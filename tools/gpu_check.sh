@@ -14,7 +14,8 @@
 # package; without it, GRAPHRELAY_TOKENIZER=FILE.gguf (a tokenizer-only copy, 1.7 MB:
 # `python -m graphrelay.tools.tokenizer_gguf`) still runs the HTTP bench, on random weights. GPU_CHECK_CPU=1 also runs the CPU suite (CI runs it anyway); GPU_CHECK_SKIP_BENCH=1
 # skips the benchmarks; GPU_CHECK_ONLY="name ..." runs only the named steps (a device call is
-# limited to 10 minutes: split the check over calls, e.g. "gpu-tests serve bench-iteration");
+# limited to 10 minutes: split the check over calls, e.g. "gpu-tests-kernels", then "gpu-tests-engine
+# gpu-tests-model serve", then "bench-iteration bench-e2e"; "gpu-tests" names the suite's three parts);
 # GPU_CHECK_ARCHIVE=FILE.tgz packs OUT_DIR into one file after every step;
 # GPU_CHECK_STEP_TIMEOUT=S bounds each step (the HTTP GPU test alone needs a few minutes).
 set -uo pipefail
@@ -53,8 +54,9 @@ fi
 } > "$out/summary.md" 2>&1
 
 status=0
-selected() {  # selected NAME: whether GPU_CHECK_ONLY (when set) names the step
-    [ -z "${GPU_CHECK_ONLY:-}" ] || [[ " $GPU_CHECK_ONLY " == *" $1 "* ]]
+selected() {  # selected NAME: whether GPU_CHECK_ONLY (when set) names the step, or gpu-tests a part of the suite
+    [ -z "${GPU_CHECK_ONLY:-}" ] || [[ " $GPU_CHECK_ONLY " == *" $1 "* ]] \
+        || [[ $1 == gpu-tests-* && " $GPU_CHECK_ONLY " == *" gpu-tests "* ]]
 }
 step() {  # step NAME COMMAND...: run, log to OUT/NAME.log, note the result in the summary
     local name=$1; shift
@@ -85,13 +87,31 @@ archive() {
 # The suite needs the test extras the device lacks: pytest collects modules that import jsonschema, and
 # the controls' GPU tests compile grammars with outlines-core. Without them it runs for minutes into errors.
 missing=$("$py" -c 'import importlib.util as u; print(" ".join(m for m in ("jsonschema", "outlines_core") if u.find_spec(m) is None))')
-if [ -n "$missing" ] && selected gpu-tests; then
-    echo "- gpu-tests: FAILED before running: missing module(s) $missing; ship their wheels in a .whl*/ folder (see the header)" \
-        >> "$out/summary.md"
-    status=1
-else
-    step gpu-tests "$py" -m pytest -q -s -m gpu -p no:cacheprovider --junitxml="$out/gpu-tests.xml" ${GPU_CHECK_PYTEST_ARGS:-}
-fi
+gpu_tests() {  # gpu_tests NAME PYTEST-PATHS-AND-ARGS...: one part of the GPU suite, its slowest tests listed in its log
+    local name=$1; shift
+    selected "$name" || return 0
+    if [ -n "$missing" ]; then
+        echo "- $name: FAILED before running: missing module(s) $missing; ship their wheels in a .whl*/ folder (see the header)" \
+            >> "$out/summary.md"
+        status=1
+        return 0
+    fi
+    step "$name" "$py" -m pytest -q -s -m gpu -p no:cacheprovider --durations=15 --junitxml="$out/$name.xml" \
+        ${GPU_CHECK_PYTEST_ARGS:-} "$@"
+}
+# The suite in three parts, each within one device call: on an H100 the whole of it, the real model's two tests
+# among them, ran past 10 minutes (twenty-first session, results/gpu_check_h100_3df957c.txt). The kernels part
+# is everything the other two do not name, so a new test file lands in one part without being listed.
+engine_tests="tests/gpu/test_engine_gpu.py tests/gpu/test_step_capture_gpu.py tests/gpu/test_speculative_gpu.py
+    tests/gpu/test_controls_gpu.py tests/gpu/test_tensor_parallel_gpu.py tests/test_loop.py tests/test_controls_serving.py
+    tests/test_spec_decode.py"
+model_tests="tests/gpu/test_real_model_gpu.py tests/gpu/test_http_server_gpu.py"
+# shellcheck disable=SC2046,SC2086  # the lists split into paths on purpose
+gpu_tests gpu-tests-kernels tests $(printf -- '--ignore=%s ' $engine_tests $model_tests)
+# shellcheck disable=SC2086
+gpu_tests gpu-tests-engine $engine_tests
+# shellcheck disable=SC2086
+gpu_tests gpu-tests-model $model_tests
 if [ -n "${GPU_CHECK_CPU:-}" ]; then
     step cpu-tests env CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 "$py" -m pytest -q -p no:cacheprovider -m "not gpu" ${GPU_CHECK_PYTEST_ARGS:-}
 fi
