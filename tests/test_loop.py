@@ -139,9 +139,9 @@ def test_the_loop_passes_on_warnings_it_does_not_count():
     engine.capture()
     launch = engine.launch
 
-    def launch_and_warn(spans):
+    def launch_and_warn(spans, before_replay=None):
         warnings.warn("a warning from inside the loop", UserWarning)
-        return launch(spans)
+        return launch(spans, before_replay)
 
     engine.launch = launch_and_warn
     with pytest.warns(UserWarning, match="from inside the loop"):
@@ -198,7 +198,8 @@ def test_long_prompt_is_chunked_beside_running_decodes():
                 Request(id="long", prompt=list(range(1, 40)), max_new_tokens=3, arrival=0.0)]
     launched = []
     launch = engine.launch
-    engine.launch = lambda spans: launched.append([(s.slot, len(s.tokens)) for s in spans]) or launch(spans)
+    engine.launch = lambda spans, before_replay=None: (launched.append([(s.slot, len(s.tokens)) for s in spans])
+                                                       or launch(spans, before_replay))
     result = ServingLoop(engine, "overlap").run(requests)
     mixed = [spans for spans in launched if any(n == 0 for _, n in spans) and any(n > 0 for _, n in spans)]
     assert len(mixed) >= 4, launched  # the 39-token prompt rode beside decode rows, 7 tokens at a time

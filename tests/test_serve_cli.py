@@ -241,10 +241,10 @@ def test_a_run_that_fails_part_way_keeps_what_finished(tmp_path, capsys, monkeyp
                     '{"id": "long", "prompt": [3, 4], "max_new_tokens": 60}\n')
     launch = Engine.launch
 
-    def failing_launch(self, spans):
+    def failing_launch(self, spans, before_replay=None):
         if self.iterations_launched == 10:
             raise RuntimeError("device lost")
-        return launch(self, spans)
+        return launch(self, spans, before_replay)
 
     monkeypatch.setattr(Engine, "launch", failing_launch)
     assert serve_main([*TINY, "--requests", str(path), "--json", str(out)]) == 1

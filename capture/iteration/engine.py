@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import msgspec
 
@@ -248,10 +248,12 @@ class Engine:
                              f"schedule fewer prompt tokens per iteration")
         return tokens
 
-    def launch(self, spans: Sequence[Span]) -> int:
+    def launch(self, spans: Sequence[Span], before_replay: Optional[Callable[[], None]] = None) -> int:
         """Queue one iteration of `spans` (graph replay of the smallest token bucket that fits,
         or eager); returns its number. Spans starting a prompt at position 0 admit their slot
-        (a fresh generation). Never waits for the device."""
+        (a fresh generation). Never waits for the device. `before_replay`: called once the
+        inputs' copy is queued, just before the step itself (the serving loop records a timing
+        event there, so that the GPU's wait for this host work is not counted as step time)."""
         self._require_engine_stream("launch")
         tokens = self.check_spans(spans)
         spans = list(spans)
@@ -263,6 +265,8 @@ class Engine:
         self.step.key_bound = None if self.uses_graphs else self._key_bound(spans)
         self.inputs.load(spans, bucket, self.config.tokens_per_decode, self.torch_stream)
         variant = self.variant(spans)
+        if before_replay is not None:
+            before_replay()
         self.runner.run(bucket, variant)
         self._controlled[self.iterations_launched % self.config.mirror_depth] = variant == CONTROLS
         return self._recorded()

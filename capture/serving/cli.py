@@ -540,7 +540,9 @@ def format_summary(result: LoopResult, capture_s: float, graph_bytes: int) -> st
         ("GPU step", "n/a (CPU)" if s.gpu_step_us_per_iter is None
          else f"mean {s.gpu_step_us_per_iter:.1f} us, median {s.gpu_step_us_median:.1f} us per iteration "
               f"(from each turn's start: {s.gpu_busy_us_per_iter:.1f} us)"),
-        ("GPU idle", "n/a (CPU)" if s.gpu_idle_fraction is None else f"{100 * s.gpu_idle_fraction:.1f}% of the time between iterations"),
+        ("GPU idle", "n/a (CPU)" if s.gpu_idle_fraction is None else
+         f"{100 * s.gpu_idle_fraction:.1f}% of the run, {100 * s.gpu_launch_wait_fraction:.1f}% of it waiting for the "
+         f"host to schedule and launch an iteration"),
         ("launch-bound", "n/a (CPU)" if s.launch_bound_fraction is None else
          f"{100 * s.launch_bound_fraction:.1f}% of iterations (GPU time <= host launch time "
          f"{s.host_launch_us_median:.0f} us median: the GPU waited for Python)"),

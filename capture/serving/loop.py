@@ -260,7 +260,7 @@ class _Run:
         if not spans:
             return False
         self.clock.launch_start()
-        iteration = self.engine.launch(spans)
+        iteration = self.engine.launch(spans, before_replay=self.clock.replay_start)
         self.clock.launch_end(iteration)
         for span in spans:
             self.live[span.slot].last_launch = iteration

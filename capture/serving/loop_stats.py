@@ -2,20 +2,25 @@
 iterations from timing events, CPU scheduling time, and blocking waits.
 
 GPU timing uses a small pool of cuda-python timing events, one set per in-flight iteration:
-`turn` when the turn begins, `launch` just before the iteration's inputs are copied in, `end`
-right after its launch. The iteration's GPU time is launch -> end; the GPU sat idle from one
-iteration's `end` to the next turn's `turn` mark, when nothing was queued. Sets are read back
-with their iteration, so timing never adds a wait of its own.
+`turn` when the turn begins, `launch` once the engine has queued the iteration's inputs, just
+before the step itself (`Engine.launch`'s `before_replay`), `end` right after it. The
+iteration's GPU time is launch -> end: the step alone. The GPU sat idle from one iteration's
+`end` to the next turn's `turn` mark, when nothing was queued, and from `turn` to `launch`
+while the host scheduled and staged the iteration after the one before had finished (a mark
+the GPU reaches late carries the host's time). Both count as idle; the second also holds the
+inputs' copy and a fresh slot's relay reset, a few microseconds of GPU work. Sets are read
+back with their iteration, so timing never adds a wait of its own.
 
 Bounded memory: the HTTP server runs one `serve` for its whole life, so per-iteration figures
 are kept as running sums plus a fixed-size sample (`Samples`) for the medians and p99, never as
 a list per iteration. A run of up to `SAMPLE_CAP` iterations (every benchmark's) keeps every
 value, so its percentiles are exact; past that, a uniform reservoir sample of the same size.
 
-Honest about who sets the pace: the host time from `launch` to `end` is measured too. When an
+Honest about who sets the pace: the host time to launch an iteration is measured too. When an
 iteration's GPU time is no longer than the host time spent launching it, the GPU was waiting
-for the host inside that iteration (eager kernels launched one by one from Python), which idle
-time between iterations cannot show: `launch_bound_fraction` counts those iterations.
+for the host inside that iteration (eager kernels launched one by one from Python):
+`launch_bound_fraction` counts those iterations. A graph replay is queued whole, so a slow
+host shows as the `turn` -> `launch` idle above instead (`gpu_launch_wait_fraction`).
 """
 
 from __future__ import annotations
@@ -85,7 +90,8 @@ class LoopStats(msgspec.Struct):
     gpu_step_us_per_iter: Optional[float]  # GPU time of one iteration (graph or eager), GPU only
     gpu_step_us_median: Optional[float]
     gpu_busy_us_per_iter: Optional[float]  # GPU time per iteration from its turn's start
-    gpu_idle_fraction: Optional[float]  # GPU idle between iterations / total span, GPU only
+    gpu_idle_fraction: Optional[float]  # GPU idle between and before iterations / total span, GPU only
+    gpu_launch_wait_fraction: Optional[float]  # the part of that span the GPU waited for a turn's scheduling and launch
     host_launch_us_median: float  # host time to stage and launch one iteration
     launch_bound_fraction: Optional[float]  # iterations whose GPU time <= their host launch time
     host_syncs: int  # synchronizing torch ops over the run (counted by torch's sync debug mode)
@@ -113,6 +119,7 @@ class IterationClock:
         self._launch_s = Samples()  # host launch times of iterations read back
         self._launch_bound = 0  # iterations read back whose GPU time <= host launch time
         self._gap_ms = 0.0  # GPU idle between consecutive iterations, summed
+        self._launch_wait_ms = 0.0  # GPU idle from a turn's mark to its iteration's launch, summed
         self._sched_s = Samples()
         self._wait_s = 0.0
         self._waits = 0
@@ -147,6 +154,10 @@ class IterationClock:
         self._last_launch_turn = self._turn_t
         self._launches_started += 1
         self._launch_t = time.perf_counter()
+
+    def replay_start(self) -> None:
+        """The engine has queued the iteration's inputs; the step comes next (`Engine.launch`'s
+        `before_replay`)."""
         if self.on_gpu:
             self._mark(self._launches % _SETS, _LAUNCH)
 
@@ -185,6 +196,7 @@ class IterationClock:
         self._step_ms.add(step_ms)
         self._launch_bound += host_s is not None and step_ms <= host_s * 1e3
         self._busy_ms += marks[_TURN].elapsed_ms(marks[_END])
+        self._launch_wait_ms += marks[_TURN].elapsed_ms(marks[_LAUNCH])
         self._busy_count += 1
         if self._last_done is not None and self._last_done == (which - 1) % _SETS:
             previous_end = self._sets[self._last_done][_END]
@@ -222,7 +234,9 @@ class IterationClock:
             gpu_step_us_per_iter=step.mean() * 1e3 if step.count else None,
             gpu_step_us_median=step.quantile(0.5) * 1e3 if step.count else None,
             gpu_busy_us_per_iter=busy / self._busy_count * 1e3 if measured_gpu else None,
-            gpu_idle_fraction=self._gap_ms / (self._gap_ms + busy) if measured_gpu else None,
+            # busy (turn -> end) holds the launch wait; the idle figure adds it to the gaps.
+            gpu_idle_fraction=(self._gap_ms + self._launch_wait_ms) / (self._gap_ms + busy) if measured_gpu else None,
+            gpu_launch_wait_fraction=self._launch_wait_ms / (self._gap_ms + busy) if measured_gpu else None,
             host_launch_us_median=self._launch_s.quantile(0.5) * 1e6,
             launch_bound_fraction=self._launch_bound / step.count if step.count else None,
             host_syncs=syncs,

@@ -155,16 +155,17 @@ def _ms(value: Optional[float]) -> str:
 
 def format_points(points: list[dict[str, Any]]) -> str:
     headers = ["rate", "req/s", "out tok/s", "TTFT p50", "p90", "p99", "TPOT p50", "p99", "ITL p50", "p99",
-               "iter ms p50", "GPU us p50", "host launch us", "launch-bound", "failed"]
+               "iter ms p50", "GPU us p50", "host launch us", "GPU idle", "launch-bound", "failed"]
     body = []
     for p in points:
         loop = p.get("loop") or {}  # the loop's own figures: in process only
-        bound = loop.get("launch_bound_fraction")
+        bound, idle = loop.get("launch_bound_fraction"), loop.get("gpu_idle_fraction")
         body.append([rate_label(p["rate"]), f"{p['requests_per_s']:.1f}", f"{p['output_tokens_per_s']:,.0f}",
                      *(_ms(p["ttft_ms"][q]) for q in ("p50", "p90", "p99")), *(_ms(p["tpot_ms"][q]) for q in ("p50", "p99")),
                      *(_ms(p["itl_ms"][q]) for q in ("p50", "p99")), _ms(loop.get("iter_ms_median")),
                      _us(loop.get("gpu_step_us_median")), _us(loop.get("host_launch_us_median")),
-                     "n/a" if bound is None else f"{bound:.0%}", str(p["failed"])])
+                     "n/a" if idle is None else f"{idle:.0%}", "n/a" if bound is None else f"{bound:.0%}",
+                     str(p["failed"])])
     return "latencies in ms; iteration figures in process only\n" + results.format_table(headers, body)
 
 
