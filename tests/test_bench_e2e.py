@@ -193,3 +193,25 @@ def test_bad_options_exit_2_with_one_line(argv, message, capsys, tmp_path):
 
 def test_no_gpu_without_smoke_exits_2(capsys, tmp_path):
     assert_needs_gpu("e2e", capsys, tmp_path)
+
+
+def test_every_system_times_its_calls_with_the_heap_frozen(tmp_path, monkeypatch):
+    """The timed runs of both sides see the heap frozen, as a server's loop does (`frozen_startup_heap`),
+    and the untimed warm-ups do not need it: a collection there delays no measurement."""
+    import gc
+
+    import transformers
+
+    frozen_during: dict[str, list[int]] = {"graphrelay": [], "hf": []}
+    serve, generate = e2e_systems.ServingLoop.run, transformers.LlamaForCausalLM.generate
+    monkeypatch.setattr(e2e_systems.ServingLoop, "run",
+                        lambda self, *a, **k: frozen_during["graphrelay"].append(gc.get_freeze_count())
+                        or serve(self, *a, **k))
+    monkeypatch.setattr(transformers.LlamaForCausalLM, "generate",
+                        lambda self, *a, **k: frozen_during["hf"].append(gc.get_freeze_count())
+                        or generate(self, *a, **k))
+    run_e2e("--smoke", "--systems", "graphrelay,hf-static", "--batches", "1", "--out", str(tmp_path))
+    warm, timed = frozen_during["graphrelay"]
+    assert warm == 0 and timed > 0
+    assert frozen_during["hf"][:3] == [0, 0, 0] and min(frozen_during["hf"][3:]) > 0  # warm-up: 3 calls, then timed
+    assert gc.get_freeze_count() == 0  # handed back after each

@@ -13,6 +13,10 @@ returns its measurements (the keys of an `e2e` row):
   (T_N - T_2) / (N - 2). Differencing against T_2 rather than T_1 keeps what each call pays
   once, at its first decode step (allocating a fresh static cache, re-recording the compiled
   CUDA graphs for it), out of the step; the row's note gives that first decode step's cost.
+
+Both systems' timed calls run with the heap frozen (`capture.serving.heap`), as the server's
+processes and `bench serve` serve: a full collection of the objects a fresh engine or a compiled
+model leaves behind stalls the host for tens of milliseconds, whichever system it lands in.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import msgspec
 import torch
 
 from graphrelay.capture.iteration.engine import DEFAULT_MAX_TOKENS, Engine, EngineConfig
+from graphrelay.capture.serving.heap import frozen_startup_heap
 from graphrelay.capture.serving.loop import ServingLoop
 from graphrelay.capture.model.model import ModelConfig
 from graphrelay.capture.serving.workloads import Request
@@ -95,7 +100,8 @@ def run_graphrelay(model: ModelConfig, batch_prompts: list[list[int]], output_le
 
     # Untimed: the full-size prefill (its kernels compile and its memory is allocated here).
     ServingLoop(engine, "overlap").run(requests("warm", min(output_len, WARM_OUTPUT_LEN)))
-    result = ServingLoop(engine, "overlap").run(requests("r", output_len))
+    with frozen_startup_heap():
+        result = ServingLoop(engine, "overlap").run(requests("r", output_len))
     short = [o.id for o in result.outputs.values() if len(o.tokens) != output_len]
     if short:
         raise RuntimeError(f"graphrelay: {len(short)} requests (e.g. {short[0]}) did not make {output_len} tokens")
@@ -179,9 +185,10 @@ def run_hf(model: ModelConfig, batch_prompts: list[list[int]], output_len: int, 
         seconds(new_tokens)
     warm_s = time.perf_counter() - warm_start
     graphs_before = _compiled_graphs()
-    for _ in range(repeats):
-        for new_tokens, times in timed.items():
-            times.append(seconds(new_tokens))
+    with frozen_startup_heap():
+        for _ in range(repeats):
+            for new_tokens, times in timed.items():
+                times.append(seconds(new_tokens))
     t_first, t_second, t_full = (statistics.median(timed[n]) for n in (1, 2, output_len))
     recompiled = _compiled_graphs() - graphs_before
 
