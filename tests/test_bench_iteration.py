@@ -63,3 +63,32 @@ def test_what_an_overlapped_kernel_adds_is_its_end_past_the_latest_end_before_it
 def test_breakdown_needs_an_iteration():
     with pytest.raises(ValueError, match="iterations must be >= 1"):
         breakdown([], iterations=0)
+
+
+def test_a_launch_blocked_on_a_staging_buffer_counts_as_a_wait_not_as_launch_work():
+    """Launches queued back to back run ahead of the GPU and then block on a staging buffer still
+    being copied: that time is the GPU's pace, reported apart from the host's own launch work."""
+    import time
+    from types import SimpleNamespace
+
+    from graphrelay.tools.bench import iteration
+
+    class BlockedEngine:  # every launch spends its time waiting for a staging copy
+        on_gpu, device, stream = False, "cpu", None
+        inputs = SimpleNamespace(staging_wait_s=0.0)
+
+        def launch(self, spans):
+            waited_from = time.perf_counter()
+            time.sleep(0.01)
+            self.inputs.staging_wait_s += time.perf_counter() - waited_from
+            return 0
+
+        def read(self, iteration, block):
+            return None
+
+        def span_tokens(self, span):
+            return 1
+
+    row = iteration._time(BlockedEngine(), "blocked", [[object()]], repeats=3)
+    assert row["host_wait_ms"] >= 10.0  # each launch blocked >= 10 ms
+    assert 0 <= row["host_launch_ms"] < row["host_wait_ms"] / 10  # what is left is the call's own work

@@ -18,6 +18,7 @@ padding spans scatter into.
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple
 
 import numpy as np
@@ -98,7 +99,9 @@ class IterationInputs:
 
     NOTE: a staging copy may be rewritten only after the device copy that last read it ran;
     with `depth` copies and a loop that keeps one iteration in flight, depth 2 never waits. If
-    it would, `load` blocks on that copy's event and counts it in `staging_waits`.
+    it would, `load` blocks on that copy's event and counts it in `staging_waits` (and the host
+    time it blocked in `staging_wait_s`: launches queued further ahead, as a benchmark's busy
+    loop queues them, wait there for the GPU).
 
     A load of decode spans equal to the last load's, for the same bucket, lays out nothing and
     copies nothing (counted in `loads_skipped`): the device buffers hold that layout already.
@@ -133,6 +136,7 @@ class IterationInputs:
         self._copied = [Event(device=self.device) for _ in range(depth)] if self.on_gpu else []
         self._next = 0
         self.staging_waits = 0
+        self.staging_wait_s = 0.0
         self.loads_skipped = 0
         self._last_load: tuple | None = None  # (bucket, decode_tokens, spans) of an all-decode load
 
@@ -169,7 +173,9 @@ class IterationInputs:
         k = self._next
         if self.on_gpu and not self._copied[k].query():
             self.staging_waits += 1
+            waited_from = time.perf_counter()
             self._copied[k].synchronize()
+            self.staging_wait_s += time.perf_counter() - waited_from
         self._fill(self._staged[k], spans, g, decode_tokens)
         if self.on_gpu:
             stream = stream if stream is not None else torch.cuda.current_stream(self.device)

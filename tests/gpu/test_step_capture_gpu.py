@@ -283,7 +283,7 @@ def test_staging_reuse_waits_for_pending_copies(twins):
     inputs = twins[0].stack.inputs
     batches = [[3 + i, 20 - i, 7 + i][: 1 + i % 3] for i in range(6)]
     seen = torch.zeros((len(batches), 5), dtype=torch.int64, device=DEVICE)
-    waits = inputs.staging_waits
+    waits, waited_s = inputs.staging_waits, inputs.staging_wait_s
     torch.cuda._sleep(SLEEP_CYCLES)
     for i, slots in enumerate(batches):
         inputs.load([decode_span(s, GREEDY) for s in slots], 4, 1)
@@ -292,6 +292,7 @@ def test_staging_reuse_waits_for_pending_copies(twins):
     for i, slots in enumerate(batches):
         assert seen[i].tolist() == slots + [0] * (5 - len(slots)), f"load {i} of {slots} was overwritten"
     assert inputs.staging_waits > waits, "the loads never had to wait: the race was not exercised"
+    assert inputs.staging_wait_s > waited_s  # and the host time they blocked is counted apart
 
 
 def test_a_repeated_decode_load_leaves_the_device_layout_in_place(twins):
