@@ -11,8 +11,8 @@ run's decode rows live, and attention's share grows with the context). Each is l
 to back, and timed with CUDA events on the engine's stream: GPU time per shape, with the host
 time of the launch calls beside it: their own work, and apart from it the time they blocked on a
 staging buffer still being copied (launches queued back to back run ahead of the GPU by two, then
-each waits for it: that wait is the GPU's pace, not the host's). TTFT: host time from `launch` of a 128-token prompt to its first
-token read from the host mirror, the engine otherwise idle.
+each waits for it: that wait is the GPU's pace, not the host's). TTFT: host time from `launch` of
+a 128-token prompt to its first token read from the host mirror, the engine otherwise idle.
 """
 
 from __future__ import annotations
