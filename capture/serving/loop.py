@@ -64,12 +64,23 @@ class _Live:
     """A request holding a slot."""
 
     __slots__ = ("request", "arrival", "slot", "tokens", "logprobs", "token_times_ms", "sent", "prefilled",
-                 "scheduled", "last_launch", "first_token_s", "done")
+                 "scheduled", "last_launch", "first_token_s", "done", "prompt_len", "max_new_tokens", "stop_tokens",
+                 "logprobs_wanted", "decode")
 
     def __init__(self, request: Request, arrival: float, slot: int):
         self.request = request
         self.arrival = arrival  # run time when it became admissible
         self.slot = slot
+        # What every iteration reads of the request, held here: the scheduler visits every
+        # running request each iteration and the reader every token, so each attribute chain
+        # walked there costs per token (at 256 requests, much of the loop's host time).
+        self.prompt_len = len(request.prompt)
+        self.max_new_tokens = request.max_new_tokens
+        self.stop_tokens = request.stop_tokens
+        self.logprobs_wanted = request.controls.logprobs if request.controls is not None else None
+        # The same span every decode iteration (spans are immutable): the engine compares a
+        # steady batch's spans with the last, and identical objects compare at once.
+        self.decode: Span = decode_span(slot, request.sampling)
         self.tokens: list[int] = []
         self.logprobs: list[TokenLogprobs] = []
         self.token_times_ms: list[float] = []
@@ -81,12 +92,7 @@ class _Live:
         self.done: Optional[str] = None
 
     def prompt_left(self) -> int:
-        return len(self.request.prompt) - self.prefilled
-
-    def wants_decode(self) -> bool:
-        # The prompt's last chunk is launched (it samples token 1), so decode may follow it in
-        # the next iteration at once: the token is resolved on the device.
-        return self.done is None and self.prompt_left() == 0 and self.scheduled < self.request.max_new_tokens
+        return self.prompt_len - self.prefilled
 
 
 class ServingLoop:
@@ -218,12 +224,15 @@ class _Run:
         engine = self.engine
         spans: list[Span] = []
         prompts: list[_Live] = []  # unfinished prompts, in admission order
+        max_batch = engine.max_batch
         for slot in self.order:  # one pass: it runs every iteration over every running request
             live = self.live[slot]
-            if live.prompt_left():
+            if live.prefilled < live.prompt_len:
                 prompts.append(live)
-            elif len(spans) < engine.max_batch and live.wants_decode():
-                spans.append(decode_span(slot, live.request.sampling))
+            # Its prompt's last chunk is launched (it samples token 1), so decode may follow it in
+            # the next iteration at once: the token is resolved on the device.
+            elif len(spans) < max_batch and live.done is None and live.scheduled < live.max_new_tokens:
+                spans.append(live.decode)
                 live.scheduled += 1  # at least one: speculation may add more, known an iteration late
         decodes = len(spans)
         budget = engine.max_tokens - decodes * engine.config.tokens_per_decode
@@ -309,15 +318,14 @@ class _Run:
         live.tokens.append(token)
         live.token_times_ms.append(now * 1e3)
         self.tokens += 1
-        wanted = live.request.controls.logprobs if live.request.controls is not None else None
+        wanted = live.logprobs_wanted
         # Only a request that asked has its rows' logprobs (admission flagged its slot): the
         # other rows read None, their logprobs not computed.
         if wanted is not None:
             live.logprobs.append(TokenLogprobs(logprobs.logprob, logprobs.top[:wanted]))
-        request = live.request
-        if token in request.stop_tokens:
+        if token in live.stop_tokens:
             return self._finish(live, "stop")
-        if len(live.tokens) >= request.max_new_tokens:
+        if len(live.tokens) >= live.max_new_tokens:
             return self._finish(live, "length")
         return None
 
