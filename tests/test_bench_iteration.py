@@ -92,3 +92,20 @@ def test_a_launch_blocked_on_a_staging_buffer_counts_as_a_wait_not_as_launch_wor
     row = iteration._time(BlockedEngine(), "blocked", [[object()]], repeats=3)
     assert row["host_wait_ms"] >= 10.0  # each launch blocked >= 10 ms
     assert 0 <= row["host_launch_ms"] < row["host_wait_ms"] / 10  # what is left is the call's own work
+
+
+def test_the_shapes_and_the_ttft_are_timed_with_the_heap_frozen(tmp_path, monkeypatch):
+    """As a serving process runs: no full collection of what building the engine left lands in a timing."""
+    import gc
+
+    from graphrelay.tools.bench import iteration
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    frozen: list[int] = []
+    time_shape, first_token = iteration._time, iteration.time_to_first_token
+    monkeypatch.setattr(iteration, "_time", lambda *a, **k: frozen.append(gc.get_freeze_count()) or time_shape(*a, **k))
+    monkeypatch.setattr(iteration, "time_to_first_token",
+                        lambda *a, **k: frozen.append(gc.get_freeze_count()) or first_token(*a, **k))
+    assert bench_main(["iteration", "--smoke", "--out", str(tmp_path)]) == 0
+    assert len(frozen) == 10 and min(frozen) > 0  # 9 shapes and the TTFT
+    assert gc.get_freeze_count() == 0

@@ -29,6 +29,7 @@ from graphrelay.capture.iteration.sampling import SamplingParams
 from graphrelay.capture.iteration.spans import Span, decode_span, prefill_span
 from graphrelay.capture.model.kv_cache import KV_CACHE_DTYPES
 from graphrelay.capture.model.model import ModelConfig
+from graphrelay.capture.serving.heap import frozen_startup_heap
 from graphrelay.runtime import Event
 from graphrelay.tools.bench import kernel_profile, options, results
 
@@ -63,9 +64,12 @@ def main(argv: list[str]) -> int:
     engine = Engine(EngineConfig(model, max_reqs=256 // scale, max_batch=256 // scale, device=str(device),
                                  use_graphs=device.type == "cuda", kv_cache_dtype=args.kv_cache_dtype))
     capture = engine.capture()
-    rows = measure(engine, scale, 2 if args.smoke else args.repeats)
-    profiles = profile_decodes(engine, scale, 2 if args.smoke else 10) if args.profile else {}
-    ttft = time_to_first_token(engine, 128 // scale, 2 if args.smoke else args.repeats)
+    # The heap frozen, as a serving process runs (capture.serving.heap): a full collection of what
+    # building the engine left would stall the back-to-back launches and show as GPU time.
+    with frozen_startup_heap():
+        rows = measure(engine, scale, 2 if args.smoke else args.repeats)
+        profiles = profile_decodes(engine, scale, 2 if args.smoke else 10) if args.profile else {}
+        ttft = time_to_first_token(engine, 128 // scale, 2 if args.smoke else args.repeats)
     targets = [results.Target(f"{name} GPU time", limit, "ms", True, _row(rows, name)["gpu_ms"])
                for name, limit in TARGETS_MS.items() if not args.smoke]
     targets.append(results.Target("TTFT of one 128-token prompt, idle engine", TTFT_TARGET_MS, "ms", True, ttft))
