@@ -2,8 +2,9 @@
 # The whole GPU check in one command, on a GPU machine (also one with no network):
 #   tools/gpu_check.sh [OUT_DIR]        (default: $OUT, else results/gpu-check)
 # Installs any wheels shipped beside the repo (.whl*/ or tools/wheels/: on a machine with no network,
-# msgspec and gguf, and for the HTTP tests starlette, uvicorn, httptools, uvloop, outlines-core, openai
-# with httpx2 / httpcore2 / pydantic, httpx and jsonschema; several .whl* folders let them travel
+# msgspec and gguf, and for the tests starlette, uvicorn, httptools, uvloop, outlines-core, openai
+# with httpx2 / httpcore2 / pydantic, httpx and jsonschema: every part of the GPU suite collects modules that
+# import jsonschema, httpx and openai; several .whl* folders let them travel
 # over calls beside the model's two parts), runs
 # the GPU tests (`pytest -m gpu`, the real model's bf16 equality with transformers included),
 # the benchmarks (relay, loop, online load in process and over HTTP, the HTTP soak, JSON-schema
@@ -84,12 +85,19 @@ archive() {
     fi
 }
 
-# The suite needs the test extras the device lacks: pytest collects modules that import jsonschema, and
-# the controls' GPU tests compile grammars with outlines-core. Without them it runs for minutes into errors.
-missing=$("$py" -c 'import importlib.util as u; print(" ".join(m for m in ("jsonschema", "outlines_core") if u.find_spec(m) is None))')
-gpu_tests() {  # gpu_tests NAME PYTEST-PATHS-AND-ARGS...: one part of the GPU suite, its slowest tests listed in its log
-    local name=$1; shift
+# The suite needs the test extras the device lacks: pytest collects modules that import jsonschema, httpx
+# and openai, the controls' GPU tests compile grammars with outlines-core, and the HTTP GPU tests start the
+# server (uvicorn, starlette). Without them a part stops at collection or runs for minutes into errors.
+missing_of() {  # missing_of MODULE...: the ones this python cannot import
+    "$py" -c 'import importlib.util as u, sys; print(" ".join(m for m in sys.argv[1:] if u.find_spec(m) is None))' "$@"
+}
+test_modules="jsonschema outlines_core httpx openai"
+gpu_tests() {  # gpu_tests NAME "MODULES" PYTEST-PATHS-AND-ARGS...: one part of the suite, its slowest tests in its log
+    local name=$1 modules=$2; shift 2
     selected "$name" || return 0
+    local missing
+    # shellcheck disable=SC2086  # the module list splits into names on purpose
+    missing=$(missing_of $modules)
     if [ -n "$missing" ]; then
         echo "- $name: FAILED before running: missing module(s) $missing; ship their wheels in a .whl*/ folder (see the header)" \
             >> "$out/summary.md"
@@ -107,11 +115,11 @@ engine_tests="tests/gpu/test_engine_gpu.py tests/gpu/test_step_capture_gpu.py te
     tests/test_spec_decode.py"
 model_tests="tests/gpu/test_real_model_gpu.py tests/gpu/test_http_server_gpu.py"
 # shellcheck disable=SC2046,SC2086  # the lists split into paths on purpose
-gpu_tests gpu-tests-kernels tests $(printf -- '--ignore=%s ' $engine_tests $model_tests)
+gpu_tests gpu-tests-kernels "$test_modules" tests $(printf -- '--ignore=%s ' $engine_tests $model_tests)
 # shellcheck disable=SC2086
-gpu_tests gpu-tests-engine $engine_tests
+gpu_tests gpu-tests-engine "$test_modules" $engine_tests
 # shellcheck disable=SC2086
-gpu_tests gpu-tests-model $model_tests
+gpu_tests gpu-tests-model "$test_modules uvicorn starlette" $model_tests
 if [ -n "${GPU_CHECK_CPU:-}" ]; then
     step cpu-tests env CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 "$py" -m pytest -q -p no:cacheprovider -m "not gpu" ${GPU_CHECK_PYTEST_ARGS:-}
 fi
