@@ -65,22 +65,24 @@ def test_breakdown_needs_an_iteration():
         breakdown([], iterations=0)
 
 
-def test_a_launch_blocked_on_a_staging_buffer_counts_as_a_wait_not_as_launch_work():
+def test_a_launch_blocked_on_a_staging_buffer_counts_as_a_wait_not_as_launch_work(monkeypatch):
     """Launches queued back to back run ahead of the GPU and then block on a staging buffer still
     being copied: that time is the GPU's pace, reported apart from the host's own launch work."""
-    import time
     from types import SimpleNamespace
 
     from graphrelay.tools.bench import iteration
 
-    class BlockedEngine:  # every launch spends its time waiting for a staging copy
+    clock = SimpleNamespace(now=0.0)  # the module's clock, advanced by the engine below: no real time
+    monkeypatch.setattr(iteration, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+
+    class BlockedEngine:  # every launch works 0.1 ms and waits 10 ms for a staging copy
         on_gpu, device, stream = False, "cpu", None
         inputs = SimpleNamespace(staging_wait_s=0.0)
 
         def launch(self, spans):
-            waited_from = time.perf_counter()
-            time.sleep(0.01)
-            self.inputs.staging_wait_s += time.perf_counter() - waited_from
+            clock.now += 1e-4
+            clock.now += 0.01
+            self.inputs.staging_wait_s += 0.01
             return 0
 
         def read(self, iteration, block):
