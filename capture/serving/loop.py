@@ -338,7 +338,7 @@ class _Run:
         self.finished += 1
         if self.engine.controls is not None:
             self.engine.controls.release(live.slot)
-        wanted = live.request.controls is not None and live.request.controls.logprobs is not None
+        wanted = live.logprobs_wanted is not None
         return RequestOutput(live.request.id, list(live.tokens), reason, ttft_ms=ttft,
                              token_times_ms=live.token_times_ms, logprobs=list(live.logprobs) if wanted else None)
 
