@@ -27,6 +27,7 @@ slot has been read back (reusing it earlier is the index race SGLang hit).
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import deque
 from typing import Callable, Optional
 
@@ -286,17 +287,20 @@ class _Run:
             read = self.clock.wait(lambda: self.engine.read(iteration, block=True))
         self.completed = iteration
         self.clock.iteration_done(iteration)
-        fresh = read.fresh()
-        slots, tokens = fresh.slots.tolist(), fresh.tokens.tolist()
+        # The raw rows as lists, stale ones skipped in the same pass (`read.fresh()` would select
+        # each field with a torch op: at 256 rows more host time than the pass itself).
+        slots, tokens, stale = read.slots.tolist(), read.tokens.tolist(), read.stale.tolist()
+        fresh_slots = [slot for slot, old in zip(slots, stale) if not old]
         decoded = self.decode_slots.pop(iteration, set())
-        self.request_steps += len(decoded.intersection(slots))
-        self.decode_tokens += sum(map(decoded.__contains__, slots))
+        self.request_steps += len(decoded.intersection(fresh_slots))
+        self.decode_tokens += sum(map(decoded.__contains__, fresh_slots))
         now = self.clock.elapsed()  # the read's instant: every token it carries arrived then
-        logprobs = self.engine.read_logprobs(read)
-        logprobs = [None] * len(fresh) if logprobs is None else [lp for lp, s in zip(logprobs, read.stale.tolist()) if not s]
+        logprobs = self.engine.read_logprobs(read) or itertools.repeat(None)
         touched: dict[int, _Live] = {}
         finished: list[RequestOutput] = []
-        for slot, token, lp in zip(slots, tokens, logprobs):
+        for slot, token, lp, old in zip(slots, tokens, logprobs, stale):
+            if old:
+                continue  # the slot went to a newer request after this iteration ran
             live = self.live.get(slot)
             if live is None or live.done is not None:
                 continue  # the request finished while this iteration was in flight: discard
