@@ -126,7 +126,8 @@ class _Recorder:
 
 def _signature_type(value) -> str:
     if isinstance(value, torch.Tensor):
-        return "*" + {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int64: "i64", torch.int32: "i32"}[value.dtype]
+        names = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int64: "i64", torch.int32: "i32"}
+        return "*" + names[value.dtype]
     return "fp32" if isinstance(value, float) else "i32"
 
 
