@@ -49,15 +49,14 @@ _LOCAL_LOAD = re.compile(r"local_load (%[\w#]+)")
 
 
 def staged_buffers(ttgir: str) -> list[StagedBuffer]:
-    """Every multi-buffered shared-memory allocation in a TTGIR module and who reads it."""
+    """Every shared-memory allocation the pipeliner stages into (`[buffers, ...]`, filled by
+    async copies) in a TTGIR module, and who reads it."""
     views = [(m.group(1), m.group(2)) for m in _VIEW.finditer(ttgir)]
     mma_operands = {name for m in _ASYNC_MMA.finditer(ttgir) for name in m.groups()}
     register_operands = {m.group(1) for m in _LOCAL_LOAD.finditer(ttgir)}
     found = []
     for alloc in _ALLOC.finditer(ttgir):
         buffers = int(alloc.group(2))
-        if buffers < 2:
-            continue
         names = {alloc.group(1)}
         while True:  # views of views
             more = {view for view, base in views if base in names} - names
